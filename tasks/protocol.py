@@ -1,0 +1,80 @@
+"""The contract between API and workers: task names, Redis key names, stream events.
+
+Events are appended to the job's Redis Stream (`<prefix>:job:<id>:events`) and published
+on its live channel (`<prefix>:job:<id>:live`) in one pipeline; the stream entry id is
+the SSE event id. Every job's stream ends with exactly one terminal event.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Any
+
+from tasks.settings import Settings
+
+GENERATE_TASK = "llmq.generate"  # body in workers/, sent by name from the web
+RECLAIM_TASK = "llmq.reclaim_expired_leases"
+EXPIRE_STREAMS_TASK = "llmq.expire_streams"
+
+
+class EventType(str, Enum):
+    TOKEN = "token"
+    RESTART = "restart"  # the job went back to the queue (lease reclaim, drain); output resets
+    DONE = "done"  # terminal: finished with stop or length
+    ERROR = "error"  # terminal: failed
+    CANCELLED = "cancelled"  # terminal
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (EventType.DONE, EventType.ERROR, EventType.CANCELLED)
+
+
+@dataclass(slots=True)
+class JobEvent:
+    type: EventType
+    # token: text delta, token ids, optional logprobs; index = sample index (n > 1)
+    index: int = 0
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] | None = None
+    # terminal events
+    finish_reason: str | None = None
+    error: str | None = None
+    usage: dict[str, int] | None = None
+    attempt: int | None = None  # restart: the attempt number that follows
+
+    def to_fields(self) -> dict[str, str]:
+        """Stream entry fields: the event type plus one JSON payload."""
+        payload = {k: v for k, v in asdict(self).items() if k != "type" and v not in (None, "", [])}
+        return {"type": self.type.value, "data": json.dumps(payload, separators=(",", ":"))}
+
+    @classmethod
+    def from_fields(cls, fields: dict[str, str] | dict[bytes, bytes]) -> "JobEvent":
+        decoded = {
+            (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+            for k, v in fields.items()
+        }
+        payload = json.loads(decoded.get("data") or "{}")
+        return cls(type=EventType(decoded["type"]), **payload)
+
+
+def events_key(settings: Settings, job_id: str) -> str:
+    return settings.key("job", job_id, "events")
+
+
+def live_channel(settings: Settings, job_id: str) -> str:
+    return settings.key("job", job_id, "live")
+
+
+def cancel_channel(settings: Settings) -> str:
+    return settings.key("cancel")
+
+
+def groups_key(settings: Settings, model: str) -> str:
+    return settings.key("groups", model)
+
+
+def kv_key(settings: Settings, fingerprint: str, block_hash_hex: str) -> str:
+    return settings.key("kv", fingerprint, block_hash_hex)

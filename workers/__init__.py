@@ -1,0 +1,19 @@
+"""The device-group side: engine, scheduler, runner, models, worker service.
+
+`from workers import LLM, SamplingParams` is the offline API. Heavy modules (torch) load
+on first use, so importing a plain-data module of this package stays cheap.
+"""
+
+from typing import Any
+
+from workers.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LLM":
+        from workers.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'workers' has no attribute {name!r}")
