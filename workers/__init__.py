@@ -6,7 +6,7 @@ on first use, so importing a plain-data module of this package stays cheap.
 
 from typing import Any
 
-from workers.sampling_params import SamplingParams
+from tasks.params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams"]
 

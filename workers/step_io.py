@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from workers.sampling_params import SamplingParams
+from tasks.params import SamplingParams
 
 
 @dataclass(slots=True)

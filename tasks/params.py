@@ -1,4 +1,5 @@
-"""Per-request sampling parameters, the offline API's `SamplingParams`.
+"""Per-request sampling parameters (`SamplingParams`): the API validates with them, the
+workers sample with them, and the offline API re-exports them.
 
 Plain data, no torch: the same object travels from the job schema to the sampler.
 """
