@@ -1,0 +1,274 @@
+"""`Scheduler`: who computes how many tokens each step (policy only).
+
+There are no prefill and decode phases. Each step every scheduled sequence computes a
+chunk of its not-yet-computed tokens, so its `num_computed_tokens` catches up to
+`num_tokens`; a long prompt spans several steps (chunked prefill). The KV blocks are the
+`KVCacheManager`'s business: the scheduler asks for slots and, when the answer is None,
+preempts by recompute.
+
+Order: running sequences first, then waiting ones. Both queues are kept sorted by
+`Sequence.sort_key` — priority (lower first), then preempted-before-fresh, then arrival —
+so the running sequence to preempt is always the last one, and a preempted sequence goes
+back to the front of the waiting sequences of its priority (the very front when every
+request has the same priority).
+
+Samples of one request (`n > 1`): sample 0 runs alone until its whole prompt is computed;
+then the other samples join the waiting queue and take the prompt's full blocks from the
+prefix cache (each recomputes only the partial last block). Without prefix caching they
+compute the prompt themselves, which is correct, only slower.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections.abc import Iterable
+
+from kvcache.kv_cache_manager import KVCacheManager
+from workers.sequence import Sequence, SequenceStatus
+from workers.step_io import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_manager: KVCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: Iterable[int] = (),
+        long_prefill_token_threshold: int = 0,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        self.kv_manager = kv_manager
+        self.block_size = kv_manager.block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.enable_prefix_caching = enable_prefix_caching
+        # NOTE: both kept sorted by Sequence.sort_key (see the module docstring)
+        self.running: list[Sequence] = []
+        self.waiting: list[Sequence] = []
+        # sample-0 seq_id -> the request's other samples, held until its prompt is computed
+        self.deferred: dict[int, list[Sequence]] = {}
+        self.seqs: dict[int, Sequence] = {}  # every unfinished sequence by seq_id
+        self.num_preemptions = 0
+        # prompt tokens looked up / found in the prefix cache, counted once per sequence
+        self.prefix_queries_tokens = 0
+        self.prefix_hits_tokens = 0
+
+    # ---- queues -------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.seqs) - len(self.running)
+
+    def has_unfinished_seqs(self) -> bool:
+        return bool(self.seqs)
+
+    def add_seqs(self, seqs: list[Sequence]) -> None:
+        """Queue the samples of one request (sample 0 first)."""
+        for seq in seqs:
+            if seq.seq_id in self.seqs:
+                raise ValueError(f"sequence {seq.seq_id} is already scheduled")
+            self.seqs[seq.seq_id] = seq
+        head, rest = seqs[0], seqs[1:]
+        self._enqueue_waiting(head)
+        if rest:
+            self.deferred[head.seq_id] = rest
+
+    def finish_seqs(self, seqs: Iterable[Sequence], status: SequenceStatus) -> None:
+        """End sequences (finished or aborted): release their blocks and forget them."""
+        for seq in seqs:
+            if seq.is_finished:
+                continue
+            if seq.status == SequenceStatus.RUNNING:
+                self.running.remove(seq)
+            elif seq in self.waiting:
+                self.waiting.remove(seq)
+            seq.status = status
+            self.seqs.pop(seq.seq_id, None)
+            self.kv_manager.free(seq.seq_id)
+            # samples still held for this one's prompt start on their own now
+            for sibling in self.deferred.pop(seq.seq_id, []):
+                if not sibling.is_finished:
+                    self._enqueue_waiting(sibling)
+            for held in self.deferred.values():
+                if seq in held:
+                    held.remove(seq)
+
+    def _enqueue_waiting(self, seq: Sequence) -> None:
+        bisect.insort(self.waiting, seq, key=_sort_key)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute policy: drop the KV, keep the tokens, wait at the front again."""
+        self.running.remove(seq)
+        self.kv_manager.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.PREEMPTED
+        self._enqueue_waiting(seq)
+        self.num_preemptions += 1
+        logger.debug("preempted seq %d of request %s", seq.seq_id, seq.request_id)
+
+    # ---- one step -----------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick each sequence's chunk for this step and allocate KV slots for it.
+
+        Advances `num_computed_tokens` of every scheduled sequence by its chunk.
+        """
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSequence] = []
+        preempted: list[int] = []
+        # blocks whose KV this step writes: another sequence must not take them as cached
+        writing: set[int] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = self._chunk_size(seq, seq.num_computed_tokens, budget)
+            while True:
+                block_table = self.kv_manager.allocate_slots(
+                    seq.seq_id, seq.token_ids, seq.num_computed_tokens, num_new
+                )
+                if block_table is not None:
+                    break
+                # NOTE: running is sorted, and the sequences before i are scheduled, so the
+                # victim (the last one) is never a sequence already in this step's batch.
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim.seq_id)
+                if victim is seq:
+                    break
+            if block_table is None:
+                break  # seq itself was the last one left to preempt
+            budget -= num_new
+            scheduled.append(self._schedule_chunk(seq, num_new, block_table, writing))
+            i += 1
+
+        # NOTE: after a preemption, admitting waiting sequences would only churn the cache
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+        ):
+            seq = self.waiting[0]
+            computed_blocks: list[int] = []
+            num_cached = 0
+            if self.enable_prefix_caching:
+                computed_blocks, num_cached = self.kv_manager.get_computed_blocks(seq.token_ids)
+                computed_blocks = _until_written(computed_blocks, writing)
+                num_cached = min(num_cached, len(computed_blocks) * self.block_size)
+            num_new = self._chunk_size(seq, num_cached, budget)
+            block_table = self.kv_manager.allocate_slots(
+                seq.seq_id, seq.token_ids, num_cached, num_new, computed_block_ids=computed_blocks
+            )
+            if block_table is None:
+                break  # no room: waiting sequences never preempt running ones
+            self.waiting.pop(0)
+            if not seq.admitted:
+                seq.num_cached_tokens = min(num_cached, seq.num_prompt_tokens)
+                seq.admitted = True
+                self.prefix_queries_tokens += seq.num_prompt_tokens
+                self.prefix_hits_tokens += seq.num_cached_tokens
+            seq.num_computed_tokens = num_cached
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=_sort_key)
+            budget -= num_new
+            scheduled.append(self._schedule_chunk(seq, num_new, block_table, writing))
+
+        return SchedulerOutput(
+            scheduled=scheduled,
+            num_batched_tokens=self.max_num_batched_tokens - budget,
+            preempted_seq_ids=preempted,
+        )
+
+    def _chunk_size(self, seq: Sequence, num_computed: int, budget: int) -> int:
+        num_new = seq.num_tokens - num_computed
+        if self.long_prefill_token_threshold > 0:
+            num_new = min(num_new, self.long_prefill_token_threshold)
+        return min(num_new, budget)
+
+    def _schedule_chunk(
+        self, seq: Sequence, num_new: int, block_table: list[int], writing: set[int]
+    ) -> ScheduledSequence:
+        start = seq.num_computed_tokens
+        end = start + num_new
+        writing.update(block_table[start // self.block_size : (end - 1) // self.block_size + 1])
+        seq.num_computed_tokens = end
+        return ScheduledSequence(
+            seq_id=seq.seq_id,
+            token_ids=seq.token_ids[start:end],
+            start_pos=start,
+            block_table=list(block_table),
+            sample=end == seq.num_tokens,
+            params=seq.params,
+            prompt_token_ids=seq.prompt_token_ids,
+            output_token_ids=seq.output_token_ids,
+        )
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[Sequence]:
+        """Append the sampled tokens and finish sequences on token rules.
+
+        Returns the sequences that sampled a token this step, in scheduled order; those
+        that finished are already out of every queue with their blocks released. Stop
+        strings are the engine's (they need the text) and end a sequence via `finish_seqs`.
+        """
+        sampled: list[Sequence] = []
+        for seq_id, token_id, logprobs in zip(
+            runner_output.seq_ids, runner_output.sampled_token_ids, runner_output.logprobs
+        ):
+            seq = self.seqs.get(seq_id)
+            if seq is None or seq.status != SequenceStatus.RUNNING:
+                continue  # finished or aborted since it was scheduled
+            seq.append_token(token_id, logprobs)
+            sampled.append(seq)
+            status = self._check_stop(seq, token_id)
+            if status is not None:
+                self.finish_seqs([seq], status)
+        # other samples may start once sample 0's prompt blocks are computed and cached
+        for head_id in [h for h in self.deferred if self._prompt_done(h)]:
+            for sibling in self.deferred.pop(head_id):
+                self._enqueue_waiting(sibling)
+        return sampled
+
+    def _prompt_done(self, head_id: int) -> bool:
+        head = self.seqs.get(head_id)
+        return head is None or head.num_computed_tokens >= head.num_prompt_tokens
+
+    def _check_stop(self, seq: Sequence, token_id: int) -> SequenceStatus | None:
+        params = seq.params
+        if seq.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return SequenceStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                seq.stop_reason = token_id
+                return SequenceStatus.FINISHED_STOPPED
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+
+def _sort_key(seq: Sequence) -> tuple[int, int, int]:
+    return seq.sort_key
+
+
+def _until_written(block_ids: list[int], writing: set[int]) -> list[int]:
+    """The cached prefix up to the first block another sequence writes this step."""
+    for i, block_id in enumerate(block_ids):
+        if block_id in writing:
+            return block_ids[:i]
+    return block_ids
