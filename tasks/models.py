@@ -86,5 +86,13 @@ class Job(Base):
     __table_args__ = (
         Index("ix_jobs_status_lease", "status", "lease_expires_at"),
         Index("ix_jobs_key_created", "api_key_id", "created_at"),
-        Index("uq_jobs_key_idempotency", "api_key_id", "idempotency_key", unique=True),
+        # NULLS NOT DISTINCT (Postgres 15+): with auth off every api_key_id is NULL, and a
+        # repeated Idempotency-Key must still collide.
+        Index(
+            "uq_jobs_key_idempotency",
+            "api_key_id",
+            "idempotency_key",
+            unique=True,
+            postgresql_nulls_not_distinct=True,
+        ),
     )

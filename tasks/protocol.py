@@ -72,8 +72,19 @@ def cancel_channel(settings: Settings) -> str:
     return settings.key("cancel")
 
 
+def cancel_flag_key(settings: Settings, job_id: str) -> str:
+    """Set (with a TTL) when a running job's cancel was requested; the batcher checks it."""
+    return settings.key("job", job_id, "cancel")
+
+
 def groups_key(settings: Settings, model: str) -> str:
+    """Hash: device group id -> JSON heartbeat (load, limits) of each group serving `model`."""
     return settings.key("groups", model)
+
+
+def group_alive_key(settings: Settings, model: str, group_id: str) -> str:
+    """Exists (with a TTL the group keeps renewing) while the device group is alive."""
+    return settings.key("groups", model, group_id, "alive")
 
 
 def kv_key(settings: Settings, fingerprint: str, block_hash_hex: str) -> str:

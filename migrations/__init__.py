@@ -1,0 +1,1 @@
+"""Alembic migrations of the llmq database (run with `llmq db upgrade`)."""

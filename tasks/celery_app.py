@@ -1,0 +1,103 @@
+"""The Celery application shared by the web (sender), device-group workers and beat.
+
+Celery carries admission only: `generate(job_id)` claims a job and hands it to the
+batcher, so tasks are short, results are ignored and messages are acked on receipt.
+Running jobs are protected by leases in Postgres (see `tasks.maintenance`), never by
+late acks: the Redis broker would redeliver a long task after `visibility_timeout`.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from pathlib import Path
+
+from celery import Celery
+
+from tasks.protocol import EXPIRE_STREAMS_TASK, GENERATE_TASK, RECLAIM_TASK
+from tasks.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+# Only unacked messages are subject to redelivery; with acks on receipt this just bounds
+# how long a message fetched by a worker that died before acking waits to come back.
+VISIBILITY_TIMEOUT_SECONDS = 3600
+EXPIRE_STREAMS_INTERVAL_SECONDS = 60.0
+# The web must answer 503 quickly when the broker is down, not retry for minutes.
+PUBLISH_RETRY_POLICY = {"max_retries": 2, "interval_start": 0.0, "interval_step": 0.2,
+                        "interval_max": 0.5}
+
+
+def maintenance_queue(settings: Settings) -> str:
+    """The queue beat's own worker consumes (device-group workers never do)."""
+    return f"{settings.redis_prefix}.maintenance"
+
+
+def create_celery(settings: Settings, *, beat: bool = False) -> Celery:
+    """A Celery app on `settings.redis_url`, its keys under `<redis_prefix>:celery:`.
+
+    `beat=True` adds the periodic maintenance schedule (lease reclaim, stream expiry);
+    the caller registers the task bodies (`register_maintenance_tasks`, the worker's
+    `generate`). Building the app connects to nothing.
+    """
+    app = Celery("llmq", set_as_current=False)
+    app.conf.update(
+        broker_url=settings.redis_url,
+        broker_transport_options={
+            # NOTE: every deployment / test run gets its own broker keyspace.
+            "global_keyprefix": settings.redis_prefix + ":celery:",
+            "visibility_timeout": VISIBILITY_TIMEOUT_SECONDS,
+            "socket_connect_timeout": 3,
+            "socket_timeout": 10,
+            "health_check_interval": 10,
+        },
+        broker_connection_retry_on_startup=True,
+        broker_connection_timeout=3,
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        task_ignore_result=True,
+        result_backend=None,
+        worker_prefetch_multiplier=1,
+        task_acks_late=False,
+        task_publish_retry_policy=PUBLISH_RETRY_POLICY,
+        task_default_queue=maintenance_queue(settings),
+        task_routes={
+            RECLAIM_TASK: {"queue": maintenance_queue(settings)},
+            EXPIRE_STREAMS_TASK: {"queue": maintenance_queue(settings)},
+        },
+        worker_hijack_root_logger=False,
+        timezone="UTC",
+        enable_utc=True,
+    )
+    if beat:
+        app.conf.beat_schedule = beat_schedule(settings)
+        app.conf.beat_schedule_filename = str(
+            Path(tempfile.gettempdir()) / f"{settings.redis_prefix}-celerybeat-schedule"
+        )
+    return app
+
+
+def beat_schedule(settings: Settings) -> dict[str, dict[str, object]]:
+    """Reclaim about as often as workers renew leases; expire streams every minute."""
+    return {
+        "reclaim-expired-leases": {
+            "task": RECLAIM_TASK,
+            "schedule": max(1.0, settings.lease_renew_seconds),
+            "options": {"queue": maintenance_queue(settings), "expires": 60},
+        },
+        "expire-streams": {
+            "task": EXPIRE_STREAMS_TASK,
+            "schedule": EXPIRE_STREAMS_INTERVAL_SECONDS,
+            "options": {"queue": maintenance_queue(settings), "expires": 300},
+        },
+    }
+
+
+def send_generate(app: Celery, settings: Settings, job_id: str, model: str) -> None:
+    """Enqueue `generate(job_id)` on the model's queue (the body lives in workers/).
+
+    Raises kombu/redis connection errors when the broker is unreachable.
+    """
+    app.send_task(GENERATE_TASK, args=[job_id], queue=settings.queue_for(model))
+    logger.debug("sent %s for job %s to %s", GENERATE_TASK, job_id, settings.queue_for(model))

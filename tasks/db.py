@@ -1,0 +1,96 @@
+"""Database engine, sessions and migrations.
+
+Postgres in compose and tests, SQLite as the embedded default. Callers build an engine
+with `create_db_engine(url)` and sessions with `make_sessionmaker(engine)`; nothing here
+runs at import time.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timezone
+from importlib import resources
+from typing import Any
+
+import sqlalchemy
+from sqlalchemy import event
+from sqlalchemy.orm import Session, sessionmaker
+
+logger = logging.getLogger(__name__)
+
+# seconds a SQLite writer waits for the lock before giving up (web + worker + beat share it)
+SQLITE_BUSY_TIMEOUT_MS = 10_000
+
+
+def utcnow() -> datetime:
+    """The current time, timezone-aware UTC (every timestamp column is tz-aware)."""
+    return datetime.now(timezone.utc)
+
+
+def create_db_engine(url: str, **kwargs: Any) -> sqlalchemy.Engine:
+    """An engine for `url` with connection checks on checkout.
+
+    SQLite gets `check_same_thread=False` (the web and the writer thread share the engine),
+    WAL journaling and a busy timeout so concurrent processes wait instead of failing.
+    """
+    if url.startswith("sqlite"):
+        connect_args = dict(kwargs.pop("connect_args", {}))
+        connect_args.setdefault("check_same_thread", False)
+        connect_args.setdefault("timeout", SQLITE_BUSY_TIMEOUT_MS / 1000)
+        engine = sqlalchemy.create_engine(
+            url, pool_pre_ping=True, connect_args=connect_args, **kwargs
+        )
+
+        @event.listens_for(engine, "connect")
+        def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+            cursor = dbapi_connection.cursor()
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+            cursor.execute("PRAGMA foreign_keys=ON")
+            cursor.close()
+
+        return engine
+    if url.startswith("postgresql://") or url.startswith("postgres://"):
+        # NOTE: psycopg 3 is the driver we ship; a bare postgresql:// would pick psycopg2.
+        url = "postgresql+psycopg://" + url.split("://", 1)[1]
+    kwargs.setdefault("pool_size", 10)
+    kwargs.setdefault("max_overflow", 20)
+    kwargs.setdefault("pool_recycle", 1800)
+    connect_args = dict(kwargs.pop("connect_args", {}))
+    connect_args.setdefault("connect_timeout", 5)
+    return sqlalchemy.create_engine(
+        url, pool_pre_ping=True, connect_args=connect_args, **kwargs
+    )
+
+
+def make_sessionmaker(engine: sqlalchemy.Engine) -> sessionmaker[Session]:
+    """Sessions that keep loaded attributes after commit (rows are read after the block)."""
+    return sessionmaker(bind=engine, expire_on_commit=False)
+
+
+def alembic_config(url: str) -> Any:
+    """The Alembic config of the installed `migrations` package, pointed at `url`."""
+    from alembic.config import Config
+
+    package_dir = resources.files("migrations")
+    config = Config(str(package_dir / "alembic.ini"))
+    config.set_main_option("script_location", str(package_dir))
+    # NOTE: ConfigParser interpolates '%'; URL-encoded passwords carry '%'.
+    config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    config.attributes["configure_logger"] = False
+    return config
+
+
+def upgrade_database(url: str) -> None:
+    """Migrate the database at `url` to the newest schema (`alembic upgrade head`)."""
+    from alembic import command
+
+    logger.info("upgrading database schema at %s", _redact(url))
+    command.upgrade(alembic_config(url), "head")
+
+
+def _redact(url: str) -> str:
+    try:
+        return sqlalchemy.make_url(url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 - only used in a log line
+        return "<database url>"

@@ -1,0 +1,179 @@
+"""Job event streams: append + publish in one round trip, replay + live without loss.
+
+Every event goes to the job's Redis Stream (`events_key`, the durable log whose entry ids
+are the SSE event ids) and to its live pub/sub channel (`live_channel`). A subscriber
+SUBSCRIBEs first, then replays the stream after its last id, then takes live messages,
+skipping ids it has already yielded: an event published during the replay arrives on
+both paths and is yielded once; none is lost in between.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+
+import redis
+from redis import Redis
+
+from tasks.protocol import EventType, JobEvent, events_key, live_channel
+from tasks.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+StreamId = tuple[int, int]  # (milliseconds, sequence) of a stream entry id
+
+# XADD the event, PUBLISH "<entry id> <type> <json data>" on the live channel, and on a
+# terminal event start the stream's expiry: one script so the published message carries
+# the id the server assigned, and the pipeline stays one round trip.
+# KEYS[1] stream; ARGV: channel, type, data, ttl seconds (0: leave the stream as is)
+_PUBLISH_LUA = """
+local id = redis.call('XADD', KEYS[1], '*', 'type', ARGV[2], 'data', ARGV[3])
+redis.call('PUBLISH', ARGV[1], id .. ' ' .. ARGV[2] .. ' ' .. ARGV[3])
+local ttl = tonumber(ARGV[4])
+if ttl > 0 then redis.call('EXPIRE', KEYS[1], ttl) end
+return id
+"""
+
+# Without a heartbeat the subscriber still re-reads the stream when idle this long: it
+# closes any gap a dropped pub/sub connection may have left.
+_IDLE_CATCH_UP_SECONDS = 5.0
+
+
+def parse_stream_id(entry_id: str | bytes) -> StreamId:
+    """`"1700000000000-3"` -> `(1700000000000, 3)`; raises ValueError on anything else."""
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    ms, sep, seq = text.partition("-")
+    if not ms.isdigit() or (sep and not seq.isdigit()):
+        raise ValueError(f"not a stream entry id: {text!r} (expected <ms>-<seq>)")
+    return int(ms), int(seq or 0)
+
+
+class EventPublisher:
+    """Appends job events to their streams and pushes them live."""
+
+    def __init__(self, redis: Redis, settings: Settings) -> None:
+        self._redis = redis
+        self._settings = settings
+        self._script = redis.register_script(_PUBLISH_LUA)
+
+    def publish(self, events: list[tuple[str, JobEvent]]) -> list[str]:
+        """Publish `(job_id, event)` pairs in one pipeline; returns their stream entry ids.
+
+        Events of one job keep their order. A terminal event sets the stream's TTL to
+        `settings.stream_ttl_seconds`.
+        """
+        if not events:
+            return []
+        pipe = self._redis.pipeline(transaction=False)
+        for job_id, event in events:
+            fields = event.to_fields()
+            ttl = self._settings.stream_ttl_seconds if event.type.is_terminal else 0
+            self._script(
+                keys=[events_key(self._settings, job_id)],
+                args=[live_channel(self._settings, job_id), fields["type"], fields["data"], ttl],
+                client=pipe,
+            )
+        return [_text(entry_id) for entry_id in pipe.execute()]
+
+
+class EventSubscriber:
+    """Reads a job's events: the stored log, or the log followed by live events."""
+
+    def __init__(self, redis: Redis, settings: Settings) -> None:
+        self._redis = redis
+        self._settings = settings
+
+    def read_events(self, job_id: str, after_id: str | None = None) -> list[tuple[str, JobEvent]]:
+        """The job's stored events after `after_id` (all when None), oldest first."""
+        start = "-" if after_id is None else "(" + after_id
+        entries = self._redis.xrange(events_key(self._settings, job_id), min=start, max="+")
+        return [(_text(entry_id), JobEvent.from_fields(fields)) for entry_id, fields in entries]
+
+    def iter_events(
+        self,
+        job_id: str,
+        last_id: str | None = None,
+        heartbeat_seconds: float | None = None,
+    ) -> Iterator[tuple[str, JobEvent] | None]:
+        """Yield `(entry_id, event)` after `last_id` until (and including) a terminal event.
+
+        Yields `None` as a heartbeat tick whenever nothing arrived for `heartbeat_seconds`
+        (the SSE view turns it into a comment that keeps proxies from closing the stream).
+        Close the generator to unsubscribe early.
+        """
+        last = parse_stream_id(last_id) if last_id else (0, 0)
+        if last_id:
+            last_id = _text(last_id)
+        pubsub = self._redis.pubsub()
+        try:
+            channel = live_channel(self._settings, job_id)
+            pubsub.subscribe(channel)
+            # NOTE: wait for the confirmation so nothing published from now on is missed
+            # by the replay below (which runs on another connection).
+            self._await_subscribed(pubsub, channel)
+            idle_limit = heartbeat_seconds if heartbeat_seconds else _IDLE_CATCH_UP_SECONDS
+            idle_since = time.monotonic()
+            while True:
+                # replay (first pass) or catch up (after idling): the stream is the truth
+                for entry_id, event in self.read_events(job_id, last_id):
+                    last, last_id = parse_stream_id(entry_id), entry_id
+                    idle_since = time.monotonic()
+                    yield entry_id, event
+                    if event.type.is_terminal:
+                        return
+                while True:
+                    remaining = idle_limit - (time.monotonic() - idle_since)
+                    if remaining <= 0:
+                        break
+                    message = pubsub.get_message(ignore_subscribe_messages=True,
+                                                 timeout=min(remaining, 1.0))
+                    if message is None or message.get("type") != "message":
+                        continue
+                    entry_id, event = _parse_live(message["data"])
+                    entry = parse_stream_id(entry_id)
+                    if entry <= last:
+                        continue  # already yielded by the replay
+                    last, last_id = entry, entry_id
+                    idle_since = time.monotonic()
+                    yield entry_id, event
+                    if event.type.is_terminal:
+                        return
+                idle_since = time.monotonic()
+                if heartbeat_seconds:
+                    yield None
+        finally:
+            try:
+                pubsub.unsubscribe()
+                pubsub.close()
+            except redis.RedisError:
+                logger.debug("unsubscribe from job %s failed", job_id, exc_info=True)
+
+    @staticmethod
+    def _await_subscribed(pubsub: redis.client.PubSub, channel: str, timeout: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            message = pubsub.get_message(timeout=max(0.0, deadline - time.monotonic()))
+            if message and message.get("type") == "subscribe":
+                return
+        raise redis.TimeoutError(f"Redis did not confirm SUBSCRIBE {channel} in {timeout:.0f}s")
+
+
+def current_output(events: list[tuple[str, JobEvent]]) -> dict[int, str]:
+    """Text so far per sample index: token deltas after the last `restart` event."""
+    texts: dict[int, list[str]] = {}
+    for _entry_id, event in events:
+        if event.type is EventType.RESTART:
+            texts.clear()
+        elif event.type is EventType.TOKEN:
+            texts.setdefault(event.index, []).append(event.text)
+    return {index: "".join(parts) for index, parts in sorted(texts.items())}
+
+
+def _parse_live(data: bytes | str) -> tuple[str, JobEvent]:
+    entry_id, event_type, payload = _text(data).split(" ", 2)
+    return entry_id, JobEvent.from_fields({"type": event_type, "data": payload})
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value

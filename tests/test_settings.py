@@ -1,0 +1,102 @@
+"""Settings from the environment, Redis names, the Celery app and the database setup."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+import sqlalchemy
+
+from tasks.celery_app import create_celery, maintenance_queue, send_generate
+from tasks.db import create_db_engine, upgrade_database, utcnow
+from tasks.protocol import (
+    EXPIRE_STREAMS_TASK,
+    GENERATE_TASK,
+    RECLAIM_TASK,
+    cancel_flag_key,
+    events_key,
+    group_alive_key,
+)
+from tasks.settings import Settings
+
+
+def test_from_env_parses_types_and_names_the_bad_variable():
+    settings = Settings.from_env({
+        "LLMQ_MODELS": "demo=/ckpt/a, other=/ckpt/b",
+        "LLMQ_AUTH_ENABLED": "true",
+        "LLMQ_MAX_ATTEMPTS": "5",
+        "LLMQ_LEASE_SECONDS": "12.5",
+        "LLMQ_MAX_MODEL_LEN": "none",
+        "LLMQ_KV_TIERS": "redis://h:1/2,file:///tmp/kv",
+    })
+    assert settings.models == {"demo": "/ckpt/a", "other": "/ckpt/b"}
+    assert settings.auth_enabled is True and settings.max_attempts == 5
+    assert settings.lease_seconds == 12.5 and settings.max_model_len is None
+    assert settings.kv_tiers == ("redis://h:1/2", "file:///tmp/kv")
+    with pytest.raises(ValueError, match="LLMQ_AUTH_ENABLED"):
+        Settings.from_env({"LLMQ_AUTH_ENABLED": "maybe"})
+    with pytest.raises(ValueError, match="LLMQ_MODELS"):
+        Settings.from_env({"LLMQ_MODELS": "no-path"})
+
+
+def test_redis_names_live_under_the_prefix():
+    settings = Settings(redis_prefix="p1")
+    assert events_key(settings, "j") == "p1:job:j:events"
+    assert cancel_flag_key(settings, "j") == "p1:job:j:cancel"
+    assert group_alive_key(settings, "m", "g0") == "p1:groups:m:g0:alive"
+    assert settings.queue_for("m") == "p1.model.m"
+
+
+def test_celery_app_config_and_beat_schedule():
+    settings = Settings(redis_prefix="p2", lease_renew_seconds=3.0)
+    app = create_celery(settings)
+    assert app.conf.broker_transport_options["global_keyprefix"] == "p2:celery:"
+    assert app.conf.task_ignore_result is True
+    assert app.conf.worker_prefetch_multiplier == 1
+    assert app.conf.task_acks_late is False
+    assert app.conf.accept_content == ["json"]
+    assert not app.conf.beat_schedule
+    schedule = create_celery(settings, beat=True).conf.beat_schedule
+    tasks = {entry["task"]: entry["schedule"] for entry in schedule.values()}
+    assert tasks == {RECLAIM_TASK: 3.0, EXPIRE_STREAMS_TASK: 60.0}
+    assert app.conf.task_routes[RECLAIM_TASK]["queue"] == maintenance_queue(settings)
+
+
+def test_send_generate_lands_on_the_model_queue_in_the_prefixed_keyspace(
+    service_settings, redis_client
+):
+    app = create_celery(service_settings)
+    job_id = str(uuid.uuid4())
+    send_generate(app, service_settings, job_id, "tiny")
+    queue_key = f"{service_settings.redis_prefix}:celery:{service_settings.queue_for('tiny')}"
+    raw = redis_client.lpop(queue_key)
+    assert raw is not None, f"no message in {queue_key}"
+    message = json.loads(raw)
+    assert message["headers"]["task"] == GENERATE_TASK
+    assert message["headers"]["argsrepr"] == repr([job_id])
+    assert message["content-type"] == "application/json"
+
+
+def test_sqlite_engine_migrates_and_uses_wal(tmp_path):
+    url = f"sqlite:///{tmp_path / 'llmq.db'}"
+    upgrade_database(url)
+    upgrade_database(url)  # idempotent
+    engine = create_db_engine(url)
+    with engine.connect() as conn:
+        assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+        tables = set(sqlalchemy.inspect(conn).get_table_names())
+    assert {"jobs", "api_keys", "alembic_version"} <= tables
+    engine.dispose()
+    assert utcnow().tzinfo is not None
+
+
+def test_migration_matches_the_models(service_settings, db_engine):
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+
+    from tasks.models import Base
+
+    with db_engine.connect() as conn:
+        diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
+    assert diff == [], f"models and migrations differ; add a revision: {diff}"

@@ -1,0 +1,109 @@
+"""Job event streams on real Redis: replay, reconnect, live/replay overlap, heartbeats."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+
+from tasks.protocol import EventType, JobEvent, events_key
+from tasks.streams import EventPublisher, EventSubscriber, current_output, parse_stream_id
+
+
+def _tokens(n: int, start: int = 0) -> list[JobEvent]:
+    return [JobEvent(EventType.TOKEN, text=f"t{i} ", token_ids=[i]) for i in range(start, start + n)]
+
+
+def _done() -> JobEvent:
+    return JobEvent(EventType.DONE, finish_reason="stop", usage={"prompt_tokens": 3})
+
+
+@pytest.fixture
+def job_id() -> str:
+    return str(uuid.uuid4())
+
+
+def test_late_subscriber_gets_every_event_in_order(redis_client, service_settings, job_id):
+    publisher = EventPublisher(redis_client, service_settings)
+    ids = publisher.publish([(job_id, e) for e in _tokens(5)] + [(job_id, _done())])
+    assert len(ids) == 6
+    assert [parse_stream_id(i) for i in ids] == sorted(parse_stream_id(i) for i in ids)
+
+    received = list(EventSubscriber(redis_client, service_settings).iter_events(job_id))
+    assert [entry_id for entry_id, _ in received] == ids
+    assert [e.text for _, e in received[:5]] == [f"t{i} " for i in range(5)]
+    assert [e.token_ids for _, e in received[:5]] == [[i] for i in range(5)]
+    assert received[-1][1].type is EventType.DONE
+    assert received[-1][1].usage == {"prompt_tokens": 3}
+    # a terminal event starts the stream's expiry
+    ttl = redis_client.ttl(events_key(service_settings, job_id))
+    assert 0 < ttl <= service_settings.stream_ttl_seconds
+
+
+def test_reconnect_from_last_id_gets_exactly_the_rest(redis_client, service_settings, job_id):
+    publisher = EventPublisher(redis_client, service_settings)
+    ids = publisher.publish([(job_id, e) for e in _tokens(6)] + [(job_id, _done())])
+    subscriber = EventSubscriber(redis_client, service_settings)
+
+    rest = list(subscriber.iter_events(job_id, last_id=ids[2]))
+    assert [entry_id for entry_id, _ in rest] == ids[3:]
+    assert [e.token_ids for _, e in rest[:-1]] == [[3], [4], [5]]
+    assert [i for i, _ in subscriber.read_events(job_id, after_id=ids[5])] == ids[6:]
+
+
+def test_events_published_while_subscribing_are_yielded_once(redis_client, service_settings,
+                                                            job_id):
+    publisher = EventPublisher(redis_client, service_settings)
+    publisher.publish([(job_id, e) for e in _tokens(20)])  # replayed part
+
+    def publish_more() -> None:
+        # one event at a time so replay and live overlap while the subscriber starts
+        for event in _tokens(60, start=20):
+            publisher.publish([(job_id, event)])
+        publisher.publish([(job_id, _done())])
+
+    thread = threading.Thread(target=publish_more)
+    thread.start()
+    received = list(EventSubscriber(redis_client, service_settings).iter_events(job_id))
+    thread.join()
+
+    assert [e.token_ids[0] for _, e in received[:-1]] == list(range(80))
+    entry_ids = [parse_stream_id(i) for i, _ in received]
+    assert entry_ids == sorted(set(entry_ids))
+    assert received[-1][1].type is EventType.DONE
+
+
+def test_live_events_after_replay_and_heartbeat_ticks(redis_client, service_settings, job_id):
+    publisher = EventPublisher(redis_client, service_settings)
+    first = publisher.publish([(job_id, _tokens(1)[0])])[0]
+    events = EventSubscriber(redis_client, service_settings).iter_events(
+        job_id, heartbeat_seconds=0.2
+    )
+    assert next(events) == (first, _tokens(1)[0])
+    started = time.monotonic()
+    assert next(events) is None  # nothing arrived: a heartbeat tick
+    assert next(events) is None
+    assert time.monotonic() - started >= 0.35
+    second = publisher.publish([(job_id, _tokens(1, start=1)[0]), (job_id, _done())])
+    assert next(events) == (second[0], _tokens(1, start=1)[0])
+    assert next(events)[1].type is EventType.DONE
+    assert next(events, "end") == "end"
+
+
+def test_restart_voids_the_output_so_far(redis_client, service_settings, job_id):
+    publisher = EventPublisher(redis_client, service_settings)
+    publisher.publish([(job_id, e) for e in _tokens(3)])
+    publisher.publish([(job_id, JobEvent(EventType.RESTART, attempt=2))])
+    publisher.publish([(job_id, JobEvent(EventType.TOKEN, text="again", index=0)),
+                       (job_id, JobEvent(EventType.TOKEN, text="second", index=1))])
+    events = EventSubscriber(redis_client, service_settings).read_events(job_id)
+    assert current_output(events) == {0: "again", 1: "second"}
+
+
+def test_parse_stream_id_rejects_garbage():
+    assert parse_stream_id("1700000000000-3") == (1700000000000, 3)
+    assert parse_stream_id(b"12-0") == (12, 0)
+    with pytest.raises(ValueError, match="not a stream entry id"):
+        parse_stream_id("abc")
