@@ -10,7 +10,18 @@ from datetime import datetime
 from enum import Enum
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, ForeignKey, Index, Integer, MetaData, String, Text, Uuid
+from sqlalchemy import (
+    JSON,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    Uuid,
+    text,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 NAMING_CONVENTION = {
@@ -86,13 +97,15 @@ class Job(Base):
     __table_args__ = (
         Index("ix_jobs_status_lease", "status", "lease_expires_at"),
         Index("ix_jobs_key_created", "api_key_id", "created_at"),
-        # NULLS NOT DISTINCT (Postgres 15+): with auth off every api_key_id is NULL, and a
-        # repeated Idempotency-Key must still collide.
+        # Only rows with a key take part. NULLS NOT DISTINCT (Postgres 15+): with auth off
+        # every api_key_id is NULL, and a repeated Idempotency-Key must still collide.
         Index(
             "uq_jobs_key_idempotency",
             "api_key_id",
             "idempotency_key",
             unique=True,
+            postgresql_where=text("idempotency_key IS NOT NULL"),
             postgresql_nulls_not_distinct=True,
+            sqlite_where=text("idempotency_key IS NOT NULL"),
         ),
     )

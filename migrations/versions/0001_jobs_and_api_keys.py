@@ -57,11 +57,13 @@ def upgrade() -> None:
     )
     op.create_index("ix_jobs_key_created", "jobs", ["api_key_id", "created_at"], unique=False)
     op.create_index("ix_jobs_status_lease", "jobs", ["status", "lease_expires_at"], unique=False)
-    # NULLS NOT DISTINCT (Postgres 15+): with auth off every job has api_key_id NULL, and a
-    # repeated Idempotency-Key must still collide.
+    # Only rows with a key take part. NULLS NOT DISTINCT (Postgres 15+): with auth off every
+    # api_key_id is NULL, and a repeated Idempotency-Key must still collide.
     op.create_index(
         "uq_jobs_key_idempotency", "jobs", ["api_key_id", "idempotency_key"], unique=True,
+        postgresql_where=sa.text("idempotency_key IS NOT NULL"),
         postgresql_nulls_not_distinct=True,
+        sqlite_where=sa.text("idempotency_key IS NOT NULL"),
     )
 
 

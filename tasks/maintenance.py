@@ -1,0 +1,170 @@
+"""Periodic maintenance run by beat's worker: lease reclaim and stream expiry.
+
+A running job's device group renews `lease_expires_at` every few seconds. A lease that
+passed means the group died (or lost Postgres for longer than the lease): the job goes
+back to the queue for another group, or fails once it has used `settings.max_attempts`
+claims. `jobs.attempts` counts claims (the worker's `generate` adds one when it claims),
+so reclaim leaves it as is and announces the attempt that follows.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+from celery import Celery
+from redis import Redis
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from tasks.celery_app import send_generate
+from tasks.db import create_db_engine, make_sessionmaker, utcnow
+from tasks.models import Job, JobStatus
+from tasks.protocol import EXPIRE_STREAMS_TASK, RECLAIM_TASK, EventType, JobEvent
+from tasks.redis_client import make_redis
+from tasks.settings import Settings
+from tasks.streams import EventPublisher
+
+logger = logging.getLogger(__name__)
+
+RECLAIM_BATCH = 500  # jobs handled per reclaim pass; the next pass takes the rest
+EXPIRE_SCAN_COUNT = 1000
+
+
+def reclaim_expired_leases(
+    settings: Settings,
+    session_factory: sessionmaker[Session],
+    redis: Redis,
+    celery_app: Celery,
+) -> int:
+    """Requeue (or fail) running jobs whose lease expired; returns how many were handled.
+
+    Each row changes with a conditional UPDATE (still running, lease still expired), so a
+    group renewing at the last moment, or a second beat, never double-handles a job. The
+    row is written before the event and the new `generate` message go out.
+    """
+    now = utcnow()
+    requeued: list[tuple[str, str, int]] = []  # (job id, model, next attempt)
+    failed: list[tuple[str, str]] = []  # (job id, error)
+    with session_factory.begin() as session:
+        expired = session.execute(
+            select(Job.id, Job.model, Job.attempts, Job.worker)
+            .where(Job.status == JobStatus.RUNNING.value, Job.lease_expires_at < now)
+            .order_by(Job.lease_expires_at)
+            .limit(RECLAIM_BATCH)
+        ).all()
+        for job_uuid, model, attempts, worker in expired:
+            still_expired = update(Job).where(
+                Job.id == job_uuid,
+                Job.status == JobStatus.RUNNING.value,
+                Job.lease_expires_at < now,
+            )
+            if attempts >= settings.max_attempts:
+                error = f"worker lost; gave up after {attempts} attempts"
+                values: dict[str, Any] = {
+                    "status": JobStatus.FAILED.value, "finish_reason": "error", "error": error,
+                    "finished_at": now, "lease_expires_at": None,
+                }
+                if session.execute(still_expired.values(**values)).rowcount:
+                    failed.append((str(job_uuid), error))
+                    logger.warning("job %s: lease of %s expired; %s", job_uuid, worker, error)
+                continue
+            values = {
+                "status": JobStatus.QUEUED.value, "worker": None, "lease_expires_at": None,
+                "output_text": None, "completion_tokens": None, "first_token_at": None,
+            }
+            if session.execute(still_expired.values(**values)).rowcount:
+                requeued.append((str(job_uuid), model, attempts + 1))
+                logger.warning("job %s: lease of %s expired; requeued for attempt %d",
+                               job_uuid, worker, attempts + 1)
+    events = [(job_id, JobEvent(EventType.RESTART, attempt=attempt))
+              for job_id, _model, attempt in requeued]
+    usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0, "cached_tokens": 0}
+    events += [(job_id, JobEvent(EventType.ERROR, finish_reason="error", error=error,
+                                 usage=usage))
+               for job_id, error in failed]
+    if events:
+        EventPublisher(redis, settings).publish(events)
+    for job_id, model, _attempt in requeued:
+        try:
+            send_generate(celery_app, settings, job_id, model)
+        except Exception:  # noqa: BLE001 - one failed send must not strand the others
+            logger.exception("job %s: requeued but the generate message could not be sent",
+                             job_id)
+    return len(requeued) + len(failed)
+
+
+def expire_streams(settings: Settings, session_factory: sessionmaker[Session],
+                   redis: Redis) -> int:
+    """Give every finished job's stream a TTL; returns how many streams got one.
+
+    A terminal event sets the TTL itself; this catches streams left without one (a job
+    whose row was finished without its event, an orphan of a deleted row).
+    """
+    pattern = settings.key("job", "*", "events")
+    candidates: dict[uuid.UUID, bytes] = {}
+    for key in redis.scan_iter(match=pattern, count=EXPIRE_SCAN_COUNT, _type="stream"):
+        parts = key.decode().split(":")
+        try:
+            candidates[uuid.UUID(parts[-2])] = key
+        except (ValueError, IndexError):
+            continue
+    if not candidates:
+        return 0
+    pipe = redis.pipeline(transaction=False)
+    for key in candidates.values():
+        pipe.ttl(key)
+    without_ttl = [job_uuid for job_uuid, ttl in zip(candidates, pipe.execute()) if ttl == -1]
+    if not without_ttl:
+        return 0
+    with session_factory() as session:
+        live = set(session.scalars(
+            select(Job.id).where(
+                Job.id.in_(without_ttl),
+                Job.status.in_([JobStatus.QUEUED.value, JobStatus.RUNNING.value]),
+            )
+        ))
+    pipe = redis.pipeline(transaction=False)
+    expired = [job_uuid for job_uuid in without_ttl if job_uuid not in live]
+    for job_uuid in expired:
+        pipe.expire(candidates[job_uuid], settings.stream_ttl_seconds)
+    pipe.execute()
+    if expired:
+        logger.info("set a %ds TTL on %d finished job streams", settings.stream_ttl_seconds,
+                    len(expired))
+    return len(expired)
+
+
+class _Resources:
+    """Connections of the maintenance tasks, opened on first use (not at registration)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._session_factory: sessionmaker[Session] | None = None
+        self._redis: Redis | None = None
+
+    @property
+    def session_factory(self) -> sessionmaker[Session]:
+        if self._session_factory is None:
+            self._session_factory = make_sessionmaker(create_db_engine(self.settings.database_url))
+        return self._session_factory
+
+    @property
+    def redis(self) -> Redis:
+        if self._redis is None:
+            self._redis = make_redis(self.settings.redis_url)
+        return self._redis
+
+
+def register_maintenance_tasks(app: Celery, settings: Settings) -> None:
+    """Register `RECLAIM_TASK` and `EXPIRE_STREAMS_TASK` on `app` (bodies above)."""
+    resources = _Resources(settings)
+
+    @app.task(name=RECLAIM_TASK, ignore_result=True)
+    def reclaim_task() -> int:
+        return reclaim_expired_leases(settings, resources.session_factory, resources.redis, app)
+
+    @app.task(name=EXPIRE_STREAMS_TASK, ignore_result=True)
+    def expire_streams_task() -> int:
+        return expire_streams(settings, resources.session_factory, resources.redis)
