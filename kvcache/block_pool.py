@@ -110,9 +110,11 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(block_id) for block_id in range(num_blocks)]
         self.free_block_queue = FreeBlockQueue(self.blocks)
-        # NOTE: one block per hash. A second block computed with the same contents (two
-        # sequences missed at once) stays unregistered and is simply freed later.
-        self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
+        # hash -> {block_id: block}, oldest registration first. Several blocks may hold the
+        # same contents (two sequences missed at once, or a full-prompt hit recomputing its
+        # last block); all stay registered so the prefix outlives the eviction of any one,
+        # and a lookup returns the oldest.
+        self.cached_blocks: dict[BlockHash, dict[int, KVCacheBlock]] = {}
         self.num_evicted_blocks = 0  # cached blocks dropped from the map for reuse, ever
 
     @property
@@ -147,7 +149,9 @@ class BlockPool:
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:
             return
-        if self.cached_blocks.get(block.block_hash) is block:
+        same_hash = self.cached_blocks[block.block_hash]
+        del same_hash[block.block_id]
+        if not same_hash:
             del self.cached_blocks[block.block_hash]
         block.block_hash = None
         block.token_ids = None
@@ -156,24 +160,25 @@ class BlockPool:
     def get_cached_block(
         self, block_hash: BlockHash, token_ids: Sequence[int]
     ) -> KVCacheBlock | None:
-        """The block cached under `block_hash`, or None on a miss.
+        """The (oldest) block cached under `block_hash`, or None on a miss.
 
-        Also None when the stored tokens differ from `token_ids` (a hash collision, or a
-        caller bug): a hit must never hand out another prefix's KV.
+        Blocks whose stored tokens differ from `token_ids` (a hash collision, or a caller
+        bug) are skipped: a hit must never hand out another prefix's KV.
         """
         if not self.enable_caching:
             return None
-        block = self.cached_blocks.get(block_hash)
-        if block is None:
+        same_hash = self.cached_blocks.get(block_hash)
+        if same_hash is None:
             return None
-        if block.token_ids != tuple(token_ids):
-            logger.warning(
-                "KV block hash %s matched block %d with different tokens; treating as a miss",
-                block_hash.hex()[:16],
-                block.block_id,
-            )
-            return None
-        return block
+        wanted = tuple(token_ids)
+        for block in same_hash.values():
+            if block.token_ids == wanted:
+                return block
+        logger.warning(
+            "KV block hash %s is cached with different tokens; treating it as a miss",
+            block_hash.hex()[:16],
+        )
+        return None
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Add one reference to each block; a free (cached) block leaves the free queue."""
@@ -187,8 +192,9 @@ class BlockPool:
     ) -> bool:
         """Register a full, referenced block under `block_hash` so later prompts can hit it.
 
-        Returns True when the block is now the one cached under this hash. An existing entry
-        for the hash is kept (not replaced); a block already registered is left as is.
+        Returns whether the block is cached (False only with caching disabled). Blocks
+        already cached under the hash stay first in line for lookups; registering a block
+        again is a no-op.
         """
         if not self.enable_caching:
             return False
@@ -198,12 +204,10 @@ class BlockPool:
             assert block.block_hash == block_hash, (
                 f"block {block.block_id} is already cached under another hash"
             )
-            return self.cached_blocks.get(block_hash) is block
-        if block_hash in self.cached_blocks:
-            return False
+            return True
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
-        self.cached_blocks[block_hash] = block
+        self.cached_blocks.setdefault(block_hash, {})[block.block_id] = block
         return True
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:

@@ -103,19 +103,28 @@ def test_collision_guard_same_hash_different_tokens_is_a_miss():
     pool.cache_full_block(block, h, [1, 2])
     assert pool.get_cached_block(h, [1, 2]) is block
     assert pool.get_cached_block(h, [1, 3]) is None
+    # Two contents under one hash (a collision): each lookup finds its own tokens.
+    (other,) = pool.get_new_blocks(1)
+    pool.cache_full_block(other, h, [1, 3])
+    assert pool.get_cached_block(h, [1, 3]) is other
+    assert pool.get_cached_block(h, [1, 2]) is block
 
 
-def test_existing_cache_entry_is_kept_not_replaced():
+def test_existing_cache_entry_stays_first_and_a_duplicate_outlives_it():
     pool = BlockPool(3)
     first, second = pool.get_new_blocks(2)
     h = hash_block(None, [4, 4])
     assert pool.cache_full_block(first, h, [4, 4])
-    assert not pool.cache_full_block(second, h, [4, 4])
+    assert pool.cache_full_block(second, h, [4, 4])  # same contents computed twice
     assert pool.get_cached_block(h, [4, 4]) is first
-    assert second.block_hash is None
     assert pool.cache_full_block(first, h, [4, 4])  # registering again is a no-op
+    assert list(pool.cached_blocks[h]) == [0, 1]
     with pytest.raises(AssertionError):
         pool.cache_full_block(first, BlockHash(bytes(32)), [4, 4])
+    pool.free_blocks([first])
+    pool.get_new_blocks(2)  # 2, then 0: evicts the first registration
+    assert first.block_hash is None
+    assert pool.get_cached_block(h, [4, 4]) is second
 
 
 def test_touch_of_a_cached_free_block_takes_it_out_of_the_free_queue():
