@@ -1,0 +1,71 @@
+"""Cancel requests for running jobs: the web PUBLISHes the job id on the cancel channel
+(after setting the job's cancel flag key); this thread hands every id to the batcher,
+which applies it between steps if the job is its own. The flag key covers the window
+before a job reaches the batcher: `generate` checks it at admission.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from tasks.protocol import cancel_channel
+
+logger = logging.getLogger(__name__)
+
+
+class CancelListener:
+    """A daemon thread subscribed to `cancel_channel`; reconnects on Redis errors."""
+
+    def __init__(self, redis: Any, settings: Any, on_cancel: Callable[[str], None]) -> None:
+        self.redis = redis
+        self.settings = settings
+        self.on_cancel = on_cancel
+        self._stop = threading.Event()
+        self._subscribed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="llmq-cancel-listener",
+                                        daemon=True)
+
+    def start(self, timeout: float = 10.0) -> None:
+        """Start and wait until subscribed, so no cancel published after this is missed."""
+        self._thread.start()
+        if not self._subscribed.wait(timeout):
+            logger.warning("cancel listener not subscribed after %.0fs; retrying in background",
+                           timeout)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5.0)
+
+    def _run(self) -> None:
+        channel = cancel_channel(self.settings)
+        backoff = 0.1
+        while not self._stop.is_set():
+            pubsub = self.redis.pubsub()
+            try:
+                pubsub.subscribe(channel)
+                while not self._stop.is_set():
+                    message = pubsub.get_message(timeout=0.5)
+                    if message is None:
+                        continue
+                    if message.get("type") == "subscribe":
+                        self._subscribed.set()  # confirmed: later publishes reach us
+                    if message.get("type") != "message":
+                        continue
+                    data = message["data"]
+                    job_id = data.decode() if isinstance(data, bytes) else str(data)
+                    logger.debug("cancel requested for job %s", job_id)
+                    self.on_cancel(job_id.strip())
+                    backoff = 0.1
+            except Exception:  # noqa: BLE001 - reconnect and keep listening
+                logger.warning("cancel listener lost Redis; reconnecting in %.1fs", backoff,
+                               exc_info=True)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
+            finally:
+                try:
+                    pubsub.close()
+                except Exception:  # noqa: BLE001
+                    pass

@@ -1,0 +1,102 @@
+"""The device group's heartbeat: who it is and how loaded, in Redis every few seconds.
+
+`<prefix>:groups:<model>` is a hash of group id -> JSON figures (read by `/v1/models`,
+`/health` and metrics); `<prefix>:groups:<model>:<group>:alive` is a key whose TTL the
+group keeps renewing, so a dead group's figures can be told from a live one's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from tasks.protocol import group_alive_key, groups_key
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class GroupIdentity:
+    """What does not change while the group lives."""
+
+    group_id: str
+    model: str
+    devices: list[str]  # e.g. ["cpu"], ["cuda:0", "cuda:1"]
+    capacity: int  # samples admitted at once (max_num_seqs)
+    max_model_len: int
+    max_num_batched_tokens: int
+    block_size: int
+    hostname: str = field(default_factory=socket.gethostname)
+    pid: int = field(default_factory=os.getpid)
+    started_at: float = field(default_factory=time.time)
+
+
+class Heartbeat:
+    """A daemon thread writing `identity` plus `load()` every `interval` seconds."""
+
+    def __init__(
+        self,
+        redis: Any,
+        settings: Any,
+        identity: GroupIdentity,
+        load: Callable[[], dict[str, Any]],
+        *,
+        interval: float = 2.0,
+    ) -> None:
+        self.redis = redis
+        self.settings = settings
+        self.identity = identity
+        self.load = load
+        self.interval = interval
+        self.draining = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="llmq-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self.beat()  # visible before the first task is fetched
+        self._thread.start()
+
+    def stop(self) -> None:
+        """End the thread and remove this group's entry."""
+        self._stop.set()
+        self._thread.join(self.interval + 5.0)
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.hdel(groups_key(self.settings, self.identity.model), self.identity.group_id)
+            pipe.delete(self._alive_key())
+            pipe.execute()
+        except Exception:  # noqa: BLE001 - the alive key expires on its own
+            logger.warning("could not remove the heartbeat of %s", self.identity.group_id,
+                           exc_info=True)
+
+    def figures(self) -> dict[str, Any]:
+        figures = asdict(self.identity)
+        figures.update(self.load())
+        figures["draining"] = self.draining
+        figures["updated_at"] = time.time()
+        return figures
+
+    def beat(self) -> None:
+        payload = json.dumps(self.figures(), separators=(",", ":"))
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(groups_key(self.settings, self.identity.model), self.identity.group_id,
+                  payload)
+        pipe.set(self._alive_key(), payload, ex=max(1, int(self.interval * 3 + 0.999)))
+        pipe.execute()
+
+    def _alive_key(self) -> str:
+        return group_alive_key(self.settings, self.identity.model, self.identity.group_id)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.beat()
+            except Exception:  # noqa: BLE001 - retried next interval
+                logger.warning("heartbeat of %s failed", self.identity.group_id, exc_info=True)

@@ -1,0 +1,132 @@
+"""What the batcher knows about one running job: its samples' text, tokens and ends.
+
+Turns engine deltas into stream events and, at the end, into the `JobResult` the writer
+stores. Lives in the batcher thread only.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from tasks.models import JobStatus
+from tasks.protocol import EventType, JobEvent
+from workers.db_writer import JobProgress, JobResult
+from workers.outputs import CompletionDelta, FinishReason
+
+if TYPE_CHECKING:
+    from workers.batcher import AdmittedJob
+
+
+class JobState:
+    """Accumulated output of one job (n samples)."""
+
+    __slots__ = ("job", "texts", "token_ids", "finish_reasons", "num_prompt_tokens",
+                 "num_cached_tokens", "first_token_at", "error")
+
+    def __init__(self, job: AdmittedJob) -> None:
+        n = max(1, job.params.n)
+        self.job = job
+        self.texts: list[list[str]] = [[] for _ in range(n)]  # text pieces per sample
+        self.token_ids: list[list[int]] = [[] for _ in range(n)]
+        self.finish_reasons: list[str | None] = [None] * n
+        self.num_prompt_tokens = len(job.prompt) if isinstance(job.prompt, list) else 0
+        self.num_cached_tokens = 0
+        self.first_token_at: datetime | None = None
+        self.error: str | None = None
+
+    @property
+    def all_finished(self) -> bool:
+        return all(reason is not None for reason in self.finish_reasons)
+
+    @property
+    def has_output(self) -> bool:
+        return bool(self.token_ids[0])
+
+    def apply(self, delta: CompletionDelta) -> JobEvent | None:
+        """Record `delta`; return the token event to publish, if it carries anything."""
+        index = delta.index
+        self.num_prompt_tokens = delta.num_prompt_tokens or self.num_prompt_tokens
+        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+        if delta.text:
+            self.texts[index].append(delta.text)
+        self.token_ids[index].extend(delta.new_token_ids)
+        if delta.finished and self.finish_reasons[index] is None:
+            reason = delta.finish_reason or FinishReason.STOP
+            self.finish_reasons[index] = reason.value
+        if not delta.new_token_ids and not delta.text:
+            return None
+        return JobEvent(
+            EventType.TOKEN,
+            index=index,
+            text=delta.text,
+            token_ids=list(delta.new_token_ids),
+            logprobs=_logprobs_payload(delta),
+        )
+
+    def cancel_all(self) -> None:
+        for i, reason in enumerate(self.finish_reasons):
+            if reason is None:
+                self.finish_reasons[i] = FinishReason.CANCELLED.value
+
+    def fail(self, reason: str) -> None:
+        self.error = reason
+        for i, finish in enumerate(self.finish_reasons):
+            if finish is None:
+                self.finish_reasons[i] = FinishReason.ERROR.value
+
+    def progress(self) -> JobProgress:
+        return JobProgress(
+            job_id=self.job.job_id,
+            output_text="".join(self.texts[0]),
+            completion_tokens=sum(len(t) for t in self.token_ids),
+            first_token_at=self.first_token_at,
+        )
+
+    def result(self) -> JobResult:
+        """The terminal row and event. error > cancelled > done."""
+        if self.error is not None:
+            status, event_type = JobStatus.FAILED, EventType.ERROR
+        elif FinishReason.CANCELLED.value in self.finish_reasons:
+            status, event_type = JobStatus.CANCELLED, EventType.CANCELLED
+        else:
+            status, event_type = JobStatus.SUCCEEDED, EventType.DONE
+        finish_reason = (FinishReason.ERROR.value if self.error is not None
+                         else FinishReason.CANCELLED.value if status is JobStatus.CANCELLED
+                         else self.finish_reasons[0])
+        completion_tokens = sum(len(t) for t in self.token_ids)
+        usage = {
+            "prompt_tokens": self.num_prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": self.num_prompt_tokens + completion_tokens,
+            "cached_tokens": self.num_cached_tokens,
+        }
+        output = [
+            {"index": i, "text": "".join(self.texts[i]), "finish_reason": self.finish_reasons[i],
+             "token_ids": self.token_ids[i]}
+            for i in range(len(self.texts))
+        ]
+        event = JobEvent(event_type, finish_reason=finish_reason, error=self.error, usage=usage)
+        return JobResult(
+            job_id=self.job.job_id,
+            status=status,
+            finish_reason=finish_reason,
+            error=self.error,
+            output=output,
+            output_text=output[0]["text"],
+            prompt_tokens=self.num_prompt_tokens,
+            completion_tokens=completion_tokens,
+            cached_tokens=self.num_cached_tokens,
+            event=event,
+            first_token_at=self.first_token_at,
+        )
+
+
+def _logprobs_payload(delta: CompletionDelta) -> list[dict[str, Any]] | None:
+    if not delta.logprobs:
+        return None
+    return [
+        {"token_id": lp.token_id, "logprob": lp.logprob,
+         "top": [[token_id, logprob] for token_id, logprob in lp.top]}
+        for lp in delta.logprobs
+    ]

@@ -1,0 +1,238 @@
+"""The device-group worker process: one Celery worker (threads pool) around one engine.
+
+    python -m workers.worker --model-name NAME [--model-dir DIR] [--group-id ID]
+        [--concurrency N] [--dtype D] [--device D] [--block-size B] [--kv-cache-bytes N]
+        [--max-num-seqs N] [--max-num-batched-tokens N] [--max-model-len N]
+
+Settings come from `LLMQ_*` (`Settings.from_env()`); flags override them. A worker
+bootstep loads the engine ONCE, before the consumer fetches anything, and starts the
+batcher, writer, heartbeat and cancel-listener threads. Celery task threads run only the
+short `generate` body (claim, wait for room, hand over).
+
+SIGTERM drains: Celery stops consuming, then our step stops admitting, lets running jobs
+finish within `settings.drain_grace_seconds`, requeues the rest (row back to queued, a
+`restart` event, a new generate message) and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+from celery import Celery, bootsteps
+
+from tasks.celery_app import create_celery, send_generate
+from tasks.protocol import GENERATE_TASK
+from tasks.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CONCURRENCY = 4  # task threads: enough to keep admission ahead of the engine
+
+
+class GroupRuntime:
+    """Everything a device group runs besides Celery's consumer; built by the bootstep."""
+
+    def __init__(self, settings: Settings, app: Celery, model_name: str, model_dir: str,
+                 group_id: str, *, heartbeat_seconds: float = 2.0) -> None:
+        self.settings = settings
+        self.app = app
+        self.model_name = model_name
+        self.model_dir = model_dir
+        self.group_id = group_id
+        self.heartbeat_seconds = heartbeat_seconds
+        self.admission: Any = None
+        self._started = False
+        self._stopped = threading.Event()
+
+    def start(self) -> None:
+        # NOTE: heavy imports here, not at module import: `--help` stays instant.
+        from tasks.db import create_db_engine, make_sessionmaker
+        from tasks.redis_client import make_redis
+        from tasks.streams import EventPublisher
+        from workers.batcher import Batcher
+        from workers.cancel_listener import CancelListener
+        from workers.db_writer import DbWriter
+        from workers.engine import Engine, EngineConfig
+        from workers.heartbeat import GroupIdentity, Heartbeat
+        from workers.job_task import JobAdmission
+
+        s = self.settings
+        config = EngineConfig(
+            block_size=s.block_size, max_num_seqs=s.max_num_seqs,
+            max_num_batched_tokens=s.max_num_batched_tokens, max_model_len=s.max_model_len,
+            enable_prefix_caching=s.enable_prefix_caching,
+        )
+        started = time.monotonic()
+        self.engine = Engine.from_checkpoint(self.model_dir, dtype=s.dtype, device=s.device,
+                                             kv_cache_bytes=s.kv_cache_bytes, config=config)
+        logger.info("group %s loaded %s from %s in %.1fs (max_model_len %d)", self.group_id,
+                    self.model_name, self.model_dir, time.monotonic() - started,
+                    self.engine.max_model_len)
+        self.redis = make_redis(s.redis_url)
+        self.db_engine = create_db_engine(s.database_url, pool_size=4, max_overflow=4)
+        session_factory = make_sessionmaker(self.db_engine)
+        publisher = EventPublisher(self.redis, s)
+        self.writer = DbWriter(s, session_factory, publisher.publish, self.send_generate,
+                               self.group_id)
+        self.batcher = Batcher(self.engine, publisher.publish, self.writer,
+                               capacity=s.max_num_seqs)
+        self.admission = JobAdmission(s, session_factory, self.redis, self.batcher,
+                                      self.writer, self.group_id, self.send_generate)
+        self.cancels = CancelListener(self.redis, s, self.batcher.cancel)
+        identity = GroupIdentity(
+            group_id=self.group_id, model=self.model_name, devices=[s.device],
+            capacity=s.max_num_seqs, max_model_len=self.engine.max_model_len,
+            max_num_batched_tokens=s.max_num_batched_tokens, block_size=s.block_size,
+        )
+        self.heartbeat = Heartbeat(self.redis, s, identity, self._load,
+                                   interval=self.heartbeat_seconds)
+        self.writer.start()
+        self.batcher.start()
+        self.cancels.start()
+        self.heartbeat.start()
+        self._started = True
+        logger.info("group %s serving queue %s", self.group_id, s.queue_for(self.model_name))
+
+    def send_generate(self, job_id: str) -> None:
+        send_generate(self.app, self.settings, job_id, self.model_name)
+
+    def generate(self, job_id: str) -> str:
+        if self.admission is None:  # the consumer starts after our step; defensive only
+            raise RuntimeError("the device group is not started yet")
+        return self.admission.run(job_id).value
+
+    def _load(self) -> dict[str, Any]:
+        load = self.batcher.load()
+        engine = load.engine
+        return {
+            "num_jobs": load.num_jobs,
+            "active_samples": load.num_active_samples,
+            "num_running": engine.get("num_running", 0),
+            "num_waiting": engine.get("num_waiting", 0),
+            "kv_cache_usage": engine.get("kv_cache_usage", 0.0),
+            "num_preemptions": engine.get("num_preemptions", 0),
+            "prefix_cache_queries": engine.get("prefix_cache_queries", 0),
+            "prefix_cache_hits": engine.get("prefix_cache_hits", 0),
+            "prompt_tokens_total": engine.get("prompt_tokens_total", 0),
+            "generation_tokens_total": engine.get("generation_tokens_total", 0),
+            "num_steps": engine.get("num_steps", load.num_steps),
+        }
+
+    def stop(self) -> None:
+        """Drain: stop admitting, finish or requeue every job, flush, remove the heartbeat."""
+        if not self._started or self._stopped.is_set():
+            return
+        self._stopped.set()
+        grace = self.settings.drain_grace_seconds
+        logger.info("group %s draining (grace %.0fs, %d jobs)", self.group_id, grace,
+                    self.batcher.load().num_jobs)
+        self.heartbeat.draining = True
+        self.admission.close()
+        aborted = self.batcher.drain(grace)
+        self.admission.wait_idle(timeout=10.0)
+        for job in aborted:
+            self.writer.requeue(job.job_id, job.attempt + 1)
+        if aborted:
+            logger.info("group %s requeued %d unfinished jobs", self.group_id, len(aborted))
+        self.writer.stop()
+        self.cancels.stop()
+        self.heartbeat.stop()
+        self.redis.close()
+        self.db_engine.dispose()
+        logger.info("group %s stopped", self.group_id)
+
+    terminate = stop
+
+
+def make_group_step(runtime: GroupRuntime) -> type[bootsteps.StartStopStep]:
+    """A worker bootstep owning `runtime`: started after the pool, stopped before it."""
+
+    class DeviceGroupStep(bootsteps.StartStopStep):
+        # NOTE: after the Pool so it stops BEFORE the pool joins its task threads (a task
+        # blocked in admission is released by our stop); the Consumer starts last and
+        # stops first, so no message is fetched once the drain begins.
+        requires = ("celery.worker.components:Pool",)
+        label = "llmq device group"
+
+        def create(self, worker: Any) -> GroupRuntime:
+            return runtime
+
+    return DeviceGroupStep
+
+
+def build_app(settings: Settings, runtime: GroupRuntime) -> Celery:
+    app = runtime.app
+
+    @app.task(name=GENERATE_TASK, ignore_result=True)
+    def generate(job_id: str) -> str:
+        return runtime.generate(job_id)
+
+    app.steps["worker"].add(make_group_step(runtime))
+    return app
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m workers.worker",
+                                     description="Run one llmq device-group worker.")
+    parser.add_argument("--model-name", required=True, help="served model name (its queue)")
+    parser.add_argument("--model-dir", help="checkpoint directory (default: LLMQ_MODELS entry)")
+    parser.add_argument("--group-id", help="device group id (default: <host>-<pid>)")
+    parser.add_argument("--concurrency", type=int, default=DEFAULT_CONCURRENCY,
+                        help="Celery task threads (admission only)")
+    parser.add_argument("--device")
+    parser.add_argument("--dtype")
+    parser.add_argument("--block-size", type=int)
+    parser.add_argument("--kv-cache-bytes", type=int)
+    parser.add_argument("--max-num-seqs", type=int)
+    parser.add_argument("--max-num-batched-tokens", type=int)
+    parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--heartbeat-seconds", type=float, default=2.0)
+    parser.add_argument("--loglevel", default=os.environ.get("LLMQ_LOG_LEVEL", "INFO"))
+    return parser
+
+
+ENGINE_FLAGS = ("device", "dtype", "block_size", "kv_cache_bytes", "max_num_seqs",
+                "max_num_batched_tokens", "max_model_len")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.loglevel.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    overrides = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
+    try:
+        settings = Settings.from_env(**overrides)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    model_dir = args.model_dir or settings.models.get(args.model_name)
+    if not model_dir:
+        print(f"error: no checkpoint for model {args.model_name!r}: pass --model-dir or set "
+              f"LLMQ_MODELS={args.model_name}=/path/to/checkpoint", file=sys.stderr)
+        return 2
+    if args.concurrency < 1:
+        print("error: --concurrency must be >= 1", file=sys.stderr)
+        return 2
+    group_id = args.group_id or f"{socket.gethostname()}-{os.getpid()}"
+    app = create_celery(settings)
+    runtime = GroupRuntime(settings, app, args.model_name, model_dir, group_id,
+                           heartbeat_seconds=args.heartbeat_seconds)
+    build_app(settings, runtime)
+    app.worker_main([
+        "worker", "--pool=threads", "--concurrency", str(args.concurrency),
+        "-Q", settings.queue_for(args.model_name), "--prefetch-multiplier=1",
+        "-n", f"{group_id}@{socket.gethostname()}", "--without-gossip", "--without-mingle",
+        "--without-heartbeat", "--loglevel", args.loglevel.upper(),
+    ])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
