@@ -1,0 +1,55 @@
+"""Kernels: RMSNorm, rotary embedding, gated activation, paged attention (and sampling).
+
+Call them through these functions: each forwards to the implementation `kernels.dispatch`
+chose for the tensors' device (the pure-torch reference unless a backend registered one).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kernels import dispatch
+
+if TYPE_CHECKING:
+    import torch
+
+    from kernels.attention import AttentionMetadata
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return dispatch.get("rms_norm", x.device.type)(x, weight, eps)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return dispatch.get("fused_add_rms_norm", x.device.type)(x, residual, weight, eps)
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return dispatch.get("apply_rotary", q.device.type)(q, k, cos, sin)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return dispatch.get("silu_and_mul", x.device.type)(x)
+
+
+def store_kv(k, v, k_cache, v_cache, slot_blocks, slot_offsets) -> None:
+    dispatch.get("store_kv", k.device.type)(k, v, k_cache, v_cache, slot_blocks, slot_offsets)
+
+
+def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    return dispatch.get("paged_attention", q.device.type)(q, k, v, k_cache, v_cache, meta)
+
+
+__all__ = [
+    "apply_rotary",
+    "dispatch",
+    "fused_add_rms_norm",
+    "paged_attention",
+    "rms_norm",
+    "silu_and_mul",
+    "store_kv",
+]

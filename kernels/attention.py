@@ -1,0 +1,125 @@
+"""Paged attention over a block-major KV cache (the reference implementations).
+
+The cache is ONE tensor `[num_blocks, 2, num_layers, block_size, num_kv_heads, head_dim]`;
+a layer sees `kv_cache[:, 0, layer]` (K) and `kv_cache[:, 1, layer]` (V), each
+`[num_blocks, block_size, num_kv_heads, head_dim]`. A token's slot is
+`block_id * block_size + offset`.
+
+One step mixes two kinds of work, both described by `AttentionMetadata`:
+* chunks: several tokens of one sequence (a prompt, or a piece of it after a cached
+  prefix): causal within the chunk, full over the prefix;
+* decodes: one token per sequence, batched: one gather over the padded block tables and
+  one masked attention call for all of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    token_start: int  # row of the chunk's first token in the flattened batch
+    num_tokens: int
+    start_pos: int  # tokens of this sequence already in the cache before the chunk
+    block_table: torch.Tensor | None  # [num_context_blocks] int64; None when start_pos == 0
+    mask: torch.Tensor | None  # [num_tokens, num_context_blocks * block_size] bool
+
+
+@dataclass(slots=True)
+class DecodeBatch:
+    rows: torch.Tensor  # [num_decodes] int64, rows in the flattened batch
+    rows_are_all: bool  # the rows are exactly 0..num_tokens-1 (a pure decode step)
+    block_tables: torch.Tensor  # [num_decodes, max_num_blocks] int64, padded with block 0
+    mask: torch.Tensor  # [num_decodes, 1, 1, max_num_blocks * block_size] bool, True = attend
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Everything a layer's attention needs for one step; built once, read by every layer."""
+
+    kv_cache: torch.Tensor  # [num_blocks, 2, num_layers, block_size, num_kv_heads, head_dim]
+    slot_blocks: torch.Tensor  # [num_tokens] int64, block id of each new token's slot
+    slot_offsets: torch.Tensor  # [num_tokens] int64, offset of that slot in its block
+    chunks: list[PrefillChunk]
+    decodes: DecodeBatch | None
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_blocks: torch.Tensor,
+    slot_offsets: torch.Tensor,
+) -> None:
+    """Write k, v [num_tokens, num_kv_heads, head_dim] into their slots of one layer's cache."""
+    k_cache[slot_blocks, slot_offsets] = k
+    v_cache[slot_blocks, slot_offsets] = v
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    """Attention of q [num_tokens, num_heads, head_dim] over each sequence's context.
+
+    k, v [num_tokens, num_kv_heads, head_dim] are this step's new keys/values, already
+    stored in the cache. Returns [num_tokens, num_heads * head_dim].
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    decodes = meta.decodes
+    if decodes is not None and decodes.rows_are_all:
+        return _decode(q, k_cache, v_cache, decodes).reshape(num_tokens, num_heads * head_dim)
+    out = q.new_empty(num_tokens, num_heads * head_dim)
+    for chunk in meta.chunks:
+        rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+        out[rows] = _chunk(q[rows], k[rows], v[rows], k_cache, v_cache, chunk).flatten(1)
+    if decodes is not None:
+        out[decodes.rows] = _decode(q[decodes.rows], k_cache, v_cache, decodes).flatten(1)
+    return out
+
+
+def _chunk(q, k, v, k_cache, v_cache, chunk: PrefillChunk) -> torch.Tensor:
+    """[n, num_heads, head_dim] attention of one sequence's chunk."""
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, num_heads, n, head_dim]
+    if chunk.block_table is None:
+        # a fresh prompt: its keys are the ones just computed; plain causal attention
+        kh = k.transpose(0, 1).unsqueeze(0)
+        vh = v.transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+    else:
+        # after a cached prefix: read the whole context back from the cache, and align the
+        # causal mask to its end (query i sits at position start_pos + i)
+        kc = _gather(k_cache, chunk.block_table.unsqueeze(0))
+        vc = _gather(v_cache, chunk.block_table.unsqueeze(0))
+        o = F.scaled_dot_product_attention(qh, kc, vc, attn_mask=chunk.mask, enable_gqa=True)
+    return o.squeeze(0).transpose(0, 1)
+
+
+def _decode(q, k_cache, v_cache, decodes: DecodeBatch) -> torch.Tensor:
+    """[num_decodes, num_heads, head_dim] attention of one new token per sequence."""
+    num_decodes, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    # NOTE: every query of a decode sits at the same position, so the query heads sharing
+    # a KV head can stand in the "query length" dim: no KV repetition for GQA.
+    qh = q.view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    kc = _gather(k_cache, decodes.block_tables)
+    vc = _gather(v_cache, decodes.block_tables)
+    o = F.scaled_dot_product_attention(qh, kc, vc, attn_mask=decodes.mask)
+    return o.reshape(num_decodes, num_heads, head_dim)
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """[batch, num_kv_heads, max_num_blocks * block_size, head_dim] view of the blocks."""
+    batch, max_blocks = block_tables.shape
+    _, block_size, num_kv_heads, head_dim = cache.shape
+    blocks = cache[block_tables]  # [batch, max_blocks, block_size, num_kv_heads, head_dim]
+    return blocks.view(batch, max_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)

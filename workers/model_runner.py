@@ -1,0 +1,218 @@
+"""`ModelRunner`: owns the device, the model and the paged KV cache, and turns each
+`SchedulerOutput` into ONE forward pass over all scheduled tokens.
+
+Prompt chunks and decodes run together, flattened in scheduled order. Logits are computed
+only for the last token of each sequence that samples this step.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+from kernels.attention import AttentionMetadata, DecodeBatch, PrefillChunk
+from workers.loader import LoadedCheckpoint
+from workers.step_io import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    """Runs one model on one device with a KV cache carved from a byte budget.
+
+    The cache is ONE tensor `[num_blocks, 2, num_layers, block_size, num_kv_heads,
+    head_dim]`: block-major, so a block's K and V of every layer is one contiguous slab
+    that the KV tier moves as one blob (`read_blocks` / `write_blocks`).
+    """
+
+    def __init__(
+        self,
+        loaded: LoadedCheckpoint,
+        block_size: int = 16,
+        kv_cache_bytes: int = 256 << 20,
+        max_num_batched_tokens: int = 8192,
+        max_num_seqs: int = 256,
+    ) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        config = loaded.config
+        self.device = next(self.model.parameters()).device
+        self.dtype = config.dtype
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self._block_shape = (2, config.num_layers, block_size, config.num_kv_heads,
+                             config.head_dim)
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        self._bytes_per_block = elem * 2 * config.num_layers * block_size * (
+            config.num_kv_heads * config.head_dim)
+        num_blocks = kv_cache_bytes // self._bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_bytes={kv_cache_bytes} holds no KV block of "
+                f"{self._bytes_per_block} bytes; raise the KV cache budget"
+            )
+        self.kv_cache = torch.zeros((num_blocks, *self._block_shape), dtype=self.dtype,
+                                    device=self.device)
+        self._sample: Callable | None = None
+        logger.info("KV cache: %d blocks of %d tokens (%d bytes each) on %s", num_blocks,
+                    block_size, self._bytes_per_block, self.device)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache.shape[0]
+
+    @property
+    def block_size(self) -> int:
+        return self._block_shape[2]
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self._bytes_per_block
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run the step and sample one token for each sequence with `sample=True`."""
+        with torch.inference_mode():
+            hidden = self._forward(out)
+            rows, seqs = self._sample_rows(out)
+            if not seqs:
+                return ModelRunnerOutput(seq_ids=[], sampled_token_ids=[], logprobs=[])
+            logits = self.model.compute_logits(hidden[rows])
+            if self._sample is None:
+                from kernels.sampling import sample
+
+                self._sample = sample
+            token_ids, logprobs = self._sample(logits, seqs,
+                                               eos_token_ids=self.loaded.eos_token_ids)
+        return ModelRunnerOutput(seq_ids=[s.seq_id for s in seqs],
+                                 sampled_token_ids=token_ids, logprobs=logprobs)
+
+    def forward_logits(self, out: SchedulerOutput) -> torch.Tensor:
+        """float32 logits [num_batched_tokens, vocab] of every scheduled token (for tests)."""
+        with torch.inference_mode():
+            return self.model.compute_logits(self._forward(out))
+
+    def read_blocks(self, block_ids: list[int]) -> list[bytes]:
+        """The raw bytes of each block's slab (K and V of every layer), in order."""
+        if not block_ids:
+            return []
+        with torch.inference_mode():
+            slabs = self.kv_cache[torch.tensor(block_ids, device=self.device)].cpu()
+        raw = slabs.view(len(block_ids), -1).view(torch.uint8)
+        return [row.numpy().tobytes() for row in raw]
+
+    def write_blocks(self, items: list[tuple[int, bytes]]) -> None:
+        """Fill blocks from blobs that `read_blocks` produced (same model, dtype, block size)."""
+        if not items:
+            return
+        for block_id, blob in items:
+            if len(blob) != self._bytes_per_block:
+                raise ValueError(
+                    f"KV blob for block {block_id} has {len(blob)} bytes, expected "
+                    f"{self._bytes_per_block}: it was written for another model, dtype or "
+                    f"block size"
+                )
+            if not 0 <= block_id < self.num_blocks:
+                raise ValueError(f"block id {block_id} outside 0..{self.num_blocks - 1}")
+        buf = bytearray(b"".join(blob for _, blob in items))
+        slabs = torch.frombuffer(buf, dtype=torch.uint8).view(self.dtype)
+        slabs = slabs.view(len(items), *self._block_shape).to(self.device)
+        ids = torch.tensor([block_id for block_id, _ in items], device=self.device)
+        with torch.inference_mode():
+            self.kv_cache[ids] = slabs
+
+    # -- one step -----------------------------------------------------------------------
+
+    def _forward(self, out: SchedulerOutput) -> torch.Tensor:
+        if len(out.scheduled) > self.max_num_seqs:
+            raise ValueError(f"{len(out.scheduled)} sequences exceed max_num_seqs="
+                             f"{self.max_num_seqs}")
+        if out.num_batched_tokens > self.max_num_batched_tokens:
+            raise ValueError(f"{out.num_batched_tokens} tokens exceed max_num_batched_tokens="
+                             f"{self.max_num_batched_tokens}")
+        self.write_blocks(out.blocks_to_load)
+        input_ids, positions, meta = self._prepare(out.scheduled)
+        return self.model(input_ids, positions, meta)
+
+    def _prepare(self, scheduled: list[ScheduledSequence]):
+        """Flatten the step into input_ids, positions [num_tokens] and attention metadata."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_blocks: list[int] = []
+        slot_offsets: list[int] = []
+        chunk_specs: list[tuple[int, int, int, list[int]]] = []
+        dec_rows: list[int] = []
+        dec_tables: list[list[int]] = []
+        dec_lens: list[int] = []
+        for seq in scheduled:
+            row, n, start = len(input_ids), len(seq.token_ids), seq.start_pos
+            end = start + n
+            num_ctx_blocks = -(-end // bs)
+            if n == 0 or len(seq.block_table) < num_ctx_blocks:
+                raise ValueError(
+                    f"sequence {seq.seq_id}: {n} tokens from position {start} need "
+                    f"{num_ctx_blocks} blocks, block_table has {len(seq.block_table)}"
+                )
+            input_ids.extend(seq.token_ids)
+            positions.extend(range(start, end))
+            table = seq.block_table
+            for pos in range(start, end):
+                slot_blocks.append(table[pos // bs])
+                slot_offsets.append(pos % bs)
+            if n == 1:
+                dec_rows.append(row)
+                dec_tables.append(table[:num_ctx_blocks])
+                dec_lens.append(end)
+            else:
+                chunk_specs.append((row, n, start, table[:num_ctx_blocks]))
+        num_tokens = len(input_ids)
+        dev = self.device
+        meta = AttentionMetadata(
+            kv_cache=self.kv_cache,
+            slot_blocks=torch.tensor(slot_blocks, dtype=torch.int64, device=dev),
+            slot_offsets=torch.tensor(slot_offsets, dtype=torch.int64, device=dev),
+            chunks=[self._chunk(*spec) for spec in chunk_specs],
+            decodes=self._decodes(dec_rows, dec_tables, dec_lens, num_tokens) if dec_rows
+            else None,
+        )
+        return (torch.tensor(input_ids, dtype=torch.int64, device=dev),
+                torch.tensor(positions, dtype=torch.int64, device=dev), meta)
+
+    def _chunk(self, row: int, n: int, start: int, table: list[int]) -> PrefillChunk:
+        if start == 0:
+            return PrefillChunk(row, n, start, None, None)
+        dev = self.device
+        keys = torch.arange(len(table) * self.block_size, device=dev)
+        queries = torch.arange(start, start + n, device=dev)
+        mask = keys[None, :] <= queries[:, None]  # causal, aligned to the context's end
+        return PrefillChunk(row, n, start, torch.tensor(table, dtype=torch.int64, device=dev),
+                            mask)
+
+    def _decodes(self, rows: list[int], tables: list[list[int]], lens: list[int],
+                 num_tokens: int) -> DecodeBatch:
+        dev = self.device
+        max_blocks = max(len(t) for t in tables)
+        padded = [t + [0] * (max_blocks - len(t)) for t in tables]  # block 0: masked out
+        keys = torch.arange(max_blocks * self.block_size, device=dev)
+        lens_t = torch.tensor(lens, dtype=torch.int64, device=dev)
+        mask = (keys[None, :] < lens_t[:, None])[:, None, None, :]
+        return DecodeBatch(
+            rows=torch.tensor(rows, dtype=torch.int64, device=dev),
+            rows_are_all=len(rows) == num_tokens,
+            block_tables=torch.tensor(padded, dtype=torch.int64, device=dev),
+            mask=mask,
+        )
+
+    @staticmethod
+    def _sample_rows(out: SchedulerOutput) -> tuple[list[int], list[ScheduledSequence]]:
+        rows: list[int] = []
+        seqs: list[ScheduledSequence] = []
+        row = 0
+        for seq in out.scheduled:
+            row += len(seq.token_ids)
+            if seq.sample:
+                rows.append(row - 1)
+                seqs.append(seq)
+        return rows, seqs

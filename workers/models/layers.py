@@ -1,0 +1,195 @@
+"""Linear and embedding layers written for a tensor-parallel split.
+
+Each layer holds only its rank's shard (`tp_size`, `tp_rank`; 1 and 0 today) and each
+parameter carries a `weight_loader(param, loaded_weight[, shard_id])` that cuts the full
+checkpoint tensor down to that shard. The collective a split needs sits at the marked
+place in `forward` (all-reduce after a row-parallel matmul, all-gather of logits).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+class ShapeMismatch(ValueError):
+    """A checkpoint tensor does not have the shape the layer expects."""
+
+
+def _check(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise ShapeMismatch(f"expected shape {tuple(param.shape)}, found {tuple(loaded.shape)}")
+
+
+def _shard(loaded: torch.Tensor, dim: int, tp_size: int, tp_rank: int) -> torch.Tensor:
+    if tp_size == 1:
+        return loaded
+    if loaded.shape[dim] % tp_size:
+        raise ShapeMismatch(f"dim {dim} of {tuple(loaded.shape)} does not split {tp_size} ways")
+    size = loaded.shape[dim] // tp_size
+    return loaded.narrow(dim, tp_rank * size, size)
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    """Replicated parameter (norm gains): copy as is."""
+    _check(param, loaded)
+    param.data.copy_(loaded)
+
+
+def _attach(param: nn.Parameter, loader: Callable) -> nn.Parameter:
+    param.weight_loader = loader  # type: ignore[attr-defined]
+    return param
+
+
+class LinearBase(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool,
+                 tp_size: int = 1, tp_rank: int = 0) -> None:
+        super().__init__()
+        self.tp_size = tp_size
+        self.tp_rank = tp_rank
+        self.weight = _attach(nn.Parameter(torch.empty(out_features, in_features),
+                                           requires_grad=False), self.weight_loader)
+        self.bias = None
+        if bias:
+            self.bias = _attach(nn.Parameter(torch.empty(out_features), requires_grad=False),
+                                self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        default_weight_loader(param, loaded)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks; each rank keeps its slice of the output."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 tp_size: int = 1, tp_rank: int = 0) -> None:
+        if out_features % tp_size:
+            raise ValueError(f"{out_features} output features do not split {tp_size} ways")
+        super().__init__(in_features, out_features // tp_size, bias, tp_size, tp_rank)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        shard = _shard(loaded, 0, self.tp_size, self.tp_rank)
+        _check(param, shard)
+        param.data.copy_(shard)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input in one matmul (gate + up).
+
+    Checkpoint tensor `shard_id` i fills rows [sum(sizes[:i]), sum(sizes[:i+1])) / tp_size.
+    """
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
+                 tp_size: int = 1, tp_rank: int = 0) -> None:
+        self.output_sizes = output_sizes
+        super().__init__(in_features, sum(output_sizes), bias, tp_size, tp_rank)
+
+    def _rows(self, shard_id: int) -> tuple[int, int]:
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        return offset, self.output_sizes[shard_id] // self.tp_size
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: int | str | None = None) -> None:
+        if shard_id is None:
+            raise ValueError("a merged projection loads one part at a time: pass shard_id")
+        offset, size = self._rows(shard_id)
+        target = param.data.narrow(0, offset, size)
+        shard = _shard(loaded, 0, self.tp_size, self.tp_rank)
+        _check(target, shard)
+        target.copy_(shard)
+
+
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """q, k and v projections in one matmul; heads split across ranks (shard ids q, k, v)."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False, tp_size: int = 1, tp_rank: int = 0) -> None:
+        if num_heads % tp_size or num_kv_heads % tp_size:
+            raise ValueError(
+                f"tensor parallel size {tp_size} must divide the {num_heads} attention heads "
+                f"and the {num_kv_heads} KV heads"
+            )
+        sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        super().__init__(hidden_size, sizes, bias, tp_size, tp_rank)
+
+    def _rows(self, shard_id: int | str) -> tuple[int, int]:
+        return super()._rows({"q": 0, "k": 1, "v": 2}[shard_id])
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; the partial outputs are summed (all-reduce)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 tp_size: int = 1, tp_rank: int = 0) -> None:
+        if in_features % tp_size:
+            raise ValueError(f"{in_features} input features do not split {tp_size} ways")
+        super().__init__(in_features // tp_size, out_features, bias, tp_size, tp_rank)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        # the bias is added once, after the reduction: every rank keeps all of it
+        shard = _shard(loaded, 1, self.tp_size, self.tp_rank) if loaded.dim() == 2 else loaded
+        _check(param, shard)
+        param.data.copy_(shard)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.tp_size > 1:
+            dist.all_reduce(y)  # TP: sum the partial products of every rank
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with the vocabulary split across ranks."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp_size: int = 1,
+                 tp_rank: int = 0) -> None:
+        super().__init__()
+        if vocab_size % tp_size:
+            raise ValueError(f"vocab size {vocab_size} does not split {tp_size} ways")
+        self.tp_size = tp_size
+        self.tp_rank = tp_rank
+        self.num_local = vocab_size // tp_size
+        self.vocab_start = tp_rank * self.num_local
+        self.weight = _attach(nn.Parameter(torch.empty(self.num_local, hidden_size),
+                                           requires_grad=False), self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        shard = _shard(loaded, 0, self.tp_size, self.tp_rank)
+        _check(param, shard)
+        param.data.copy_(shard)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.num_local)
+        y = F.embedding(local.masked_fill(outside, 0), self.weight)
+        y = y.masked_fill(outside.unsqueeze(-1), 0)
+        dist.all_reduce(y)  # TP: each token's row lives on exactly one rank
+        return y
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection to the vocabulary; each rank computes its slice of the logits."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size > 1:  # TP: gather the vocabulary slices of every rank
+            parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
+            dist.all_gather(parts, logits)
+            logits = torch.cat(parts, dim=-1)
+        return logits
