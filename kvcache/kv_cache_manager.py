@@ -45,6 +45,7 @@ class KVCacheStats:
 @dataclass(slots=True)
 class _SeqState:
     blocks: list[KVCacheBlock]  # the block table, position order
+    block_ids: list[int]  # the same table as ids: copied out every step, so kept ready
     block_hashes: list[BlockHash]  # chained hashes of blocks[:len(block_hashes)], all full
     extra_keys: ExtraKeys
 
@@ -83,6 +84,11 @@ class KVCacheManager:
     def usage(self) -> float:
         """Fraction of blocks referenced by running sequences, in [0, 1]."""
         return self.block_pool.usage
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences holding a block table (allocated and not yet freed)."""
+        return len(self._seqs)
 
     def can_fit(self, num_tokens: int) -> bool:
         """Whether a new sequence of `num_tokens` tokens fits if every free block is used."""
@@ -144,42 +150,71 @@ class KVCacheManager:
                 f"token counts must be >= 0, got num_computed_tokens={num_computed_tokens}, "
                 f"num_new_tokens={num_new_tokens}"
             )
+        num_tokens = num_computed_tokens + num_new_tokens
         state = self._seqs.get(seq_id)
+        if state is None:
+            state = self._admit(
+                seq_id,
+                token_ids,
+                num_computed_tokens,
+                num_tokens,
+                computed_block_ids or [],
+                extra_keys,
+            )
+            if state is None:
+                return None
+        elif computed_block_ids:
+            raise ValueError(
+                f"seq {seq_id} already has a block table; pass computed_block_ids only "
+                "on its first allocate_slots call"
+            )
+        else:
+            # The hot path (every running sequence, every step): usually nothing to do, so
+            # it is kept free of helper calls.
+            num_to_allocate = -(-num_tokens // self.block_size) - len(state.block_ids)
+            if num_to_allocate > 0:
+                if num_to_allocate > self.block_pool.num_free_blocks:
+                    return None
+                self._append_new_blocks(state, num_to_allocate)
+        num_full = min(len(token_ids), num_tokens) // self.block_size
+        if num_full > len(state.block_hashes):
+            self._cache_full_blocks(state, token_ids, num_full)
+        return state.block_ids.copy()
+
+    def _admit(
+        self,
+        seq_id: int,
+        token_ids: list[int],
+        num_computed_tokens: int,
+        num_tokens: int,
+        computed_block_ids: list[int],
+        extra_keys: ExtraKeys,
+    ) -> _SeqState | None:
+        """First allocation of a sequence: take its prefix hits, then fresh blocks."""
         hit_blocks: list[KVCacheBlock] = []
         hit_hashes: list[BlockHash] = []
-        if state is None:
-            if computed_block_ids:
-                hit_blocks, hit_hashes = self._check_computed_blocks(
-                    seq_id, token_ids, num_computed_tokens, computed_block_ids, extra_keys
-                )
-            num_owned = len(hit_blocks)
-        else:
-            if computed_block_ids:
-                raise ValueError(
-                    f"seq {seq_id} already has a block table; pass computed_block_ids only "
-                    "on its first allocate_slots call"
-                )
-            num_owned = len(state.blocks)
-
-        num_required = _cdiv(num_computed_tokens + num_new_tokens, self.block_size)
-        num_to_allocate = max(0, num_required - num_owned)
+        if computed_block_ids:
+            hit_blocks, hit_hashes = self._check_computed_blocks(
+                seq_id, token_ids, num_computed_tokens, computed_block_ids, extra_keys
+            )
+        num_to_allocate = max(0, _cdiv(num_tokens, self.block_size) - len(hit_blocks))
         # Touching a hit block that sits in the free queue takes it out of the free count.
         num_hits_free = sum(1 for block in hit_blocks if block.ref_cnt == 0)
         if num_to_allocate + num_hits_free > self.block_pool.num_free_blocks:
             return None
-
-        if state is None:
-            # NOTE: touch before allocating, or get_new_blocks could pop (and evict) a hit.
-            self.block_pool.touch(hit_blocks)
-            state = _SeqState(hit_blocks, hit_hashes, extra_keys)
-            self._seqs[seq_id] = state
+        # NOTE: touch before allocating, or get_new_blocks could pop (and evict) a hit.
+        self.block_pool.touch(hit_blocks)
+        state = _SeqState(hit_blocks, [b.block_id for b in hit_blocks], hit_hashes, extra_keys)
+        self._seqs[seq_id] = state
         if num_to_allocate:
-            state.blocks.extend(self.block_pool.get_new_blocks(num_to_allocate))
-            self.stats.num_evicted_blocks = self.block_pool.num_evicted_blocks
+            self._append_new_blocks(state, num_to_allocate)
+        return state
 
-        num_known = min(len(token_ids), num_computed_tokens + num_new_tokens)
-        self._cache_full_blocks(state, token_ids, num_known // self.block_size)
-        return [block.block_id for block in state.blocks]
+    def _append_new_blocks(self, state: _SeqState, num_blocks: int) -> None:
+        new_blocks = self.block_pool.get_new_blocks(num_blocks)
+        state.blocks.extend(new_blocks)
+        state.block_ids.extend(block.block_id for block in new_blocks)
+        self.stats.num_evicted_blocks = self.block_pool.num_evicted_blocks
 
     def _check_computed_blocks(
         self,
@@ -239,7 +274,7 @@ class KVCacheManager:
     def get_block_ids(self, seq_id: int) -> list[int]:
         """The sequence's block table (a copy); empty for an unknown sequence."""
         state = self._seqs.get(seq_id)
-        return [] if state is None else [block.block_id for block in state.blocks]
+        return [] if state is None else list(state.block_ids)
 
     def get_block_hashes(self, seq_id: int) -> list[BlockHash]:
         """Chained hashes of the sequence's full blocks so far (e.g. keys for a KV tier)."""

@@ -286,6 +286,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert block.ref_cnt == refs[block.block_id]
             assert (block.block_id in free) == (block.ref_cnt == 0)
         assert self.manager.num_free_blocks + len(refs) == self.manager.num_blocks
+        assert self.manager.num_seqs == len(self.tokens)
         # Every cached entry points at a block that holds it, with tokens that hash to it.
         for block_hash, same_hash in pool.cached_blocks.items():
             assert same_hash
@@ -308,6 +309,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         for seq_id in list(self.tokens):
             self.manager.free(seq_id)
         assert self.manager.num_free_blocks == self.manager.num_blocks
+        assert self.manager.num_seqs == 0
         assert all(block.ref_cnt == 0 for block in self.manager.block_pool.blocks)
         assert self.manager.usage == 0.0
 
