@@ -281,6 +281,21 @@ class KVCacheManager:
         state = self._seqs.get(seq_id)
         return [] if state is None else list(state.block_hashes)
 
+    def get_unshared_full_blocks(self, seq_id: int) -> list[tuple[int, BlockHash]]:
+        """(block id, hash) of the sequence's full blocks that no other sequence holds.
+
+        Call it right before `free(seq_id)`: these are the blocks that become evictable,
+        i.e. what is worth writing to a lower KV tier when the sequence finishes.
+        """
+        state = self._seqs.get(seq_id)
+        if state is None:
+            return []
+        return [
+            (block.block_id, block_hash)
+            for block, block_hash in zip(state.blocks, state.block_hashes)
+            if block.ref_cnt == 1
+        ]
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (and nothing done) while blocks are in use."""
         return self.block_pool.reset_prefix_cache()

@@ -161,6 +161,34 @@ def test_chunked_prefill_registers_blocks_as_they_are_scheduled():
     assert manager.get_computed_blocks(prompt) == ([0, 1, 2], 12)
 
 
+def test_tokens_loaded_from_a_lower_tier_get_fresh_blocks_that_are_cached():
+    # Device hit on block 0; blocks 1 and 2 come from a lower tier (loaded into fresh blocks
+    # before the forward pass); the rest is computed.
+    manager = KVCacheManager(num_blocks=8, block_size=BS)
+    prompt = list(range(60, 74))  # 14 tokens
+    assert manager.allocate_slots(0, prompt[:4], 0, 4) == [0]
+    hit_ids, num_hit = manager.get_computed_blocks(prompt)
+    assert (hit_ids, num_hit) == ([0], 4)
+    table = manager.allocate_slots(1, prompt, num_hit + 2 * BS, 2, hit_ids)
+    assert table == [0, 1, 2, 3]
+    assert manager.get_block_hashes(1) == hash_full_blocks(prompt, BS)
+    assert manager.get_computed_blocks(prompt + [0]) == ([0, 1, 2], 12)
+
+
+def test_unshared_full_blocks_are_what_a_finished_sequence_leaves_evictable():
+    manager = KVCacheManager(num_blocks=8, block_size=BS)
+    prompt = list(range(10))
+    assert admit(manager, 0, prompt) == [0, 1, 2]
+    assert admit(manager, 1, prompt[:8] + [99, 98]) == [0, 1, 3]
+    hashes = hash_full_blocks(prompt, BS)
+    assert manager.get_unshared_full_blocks(0) == []  # 0 and 1 shared, 2 not full
+    manager.allocate_slots(0, prompt + [5, 6], 10, 2)  # block 2 becomes full
+    assert manager.get_unshared_full_blocks(0) == [(2, hash_full_blocks(prompt + [5, 6], BS)[2])]
+    manager.free(0)
+    assert manager.get_unshared_full_blocks(1) == [(0, hashes[0]), (1, hashes[1])]
+    assert manager.get_unshared_full_blocks(0) == []
+
+
 def test_stale_computed_blocks_are_an_error_not_a_wrong_hit():
     manager = KVCacheManager(num_blocks=3, block_size=BS)
     prompt = list(range(9))
@@ -264,9 +292,22 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     @rule(seq_id=consumes(seqs))
     def free(self, seq_id):
+        pool = self.manager.block_pool
+        table = self.manager.get_block_ids(seq_id)
+        unshared = self.manager.get_unshared_full_blocks(seq_id)
         self.manager.free(seq_id)
         self.tokens.pop(seq_id, None)
         assert self.manager.get_block_ids(seq_id) == []
+        # Blocks released by this free sit at the back of the queue, tail first...
+        released = [b for b in reversed(table) if pool.blocks[b].ref_cnt == 0]
+        free = [block.block_id for block in pool.free_block_queue]
+        assert free[len(free) - len(released) :] == released
+        assert {b for b, _ in unshared} <= set(released)
+        # ...and keep their hashes: still prefix-cache hits until reused.
+        for block_id, block_hash in unshared:
+            block = pool.blocks[block_id]
+            assert block.block_hash == block_hash
+            assert pool.get_cached_block(block_hash, block.token_ids) is not None
 
     def _snapshot(self):
         pool = self.manager.block_pool
