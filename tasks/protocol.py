@@ -44,6 +44,7 @@ class JobEvent:
     error: str | None = None
     usage: dict[str, int] | None = None
     attempt: int | None = None  # restart: the attempt number that follows
+    ts: float | None = None  # token: when the worker published it (unix seconds), for latency
 
     def to_fields(self) -> dict[str, str]:
         """Stream entry fields: the event type plus one JSON payload."""
