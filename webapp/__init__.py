@@ -1,0 +1,30 @@
+"""The llmq web API (Flask). Build it with `create_app(settings)`; `webapp.wsgi` serves it."""
+
+from __future__ import annotations
+
+import logging
+
+from flask import Flask
+
+from tasks.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+
+def create_app(settings: Settings | None = None) -> Flask:
+    """The API app for `settings` (default: `Settings.from_env()`). Connects to nothing yet."""
+    from webapp import errors, events, jobs, meta
+    from webapp.services import Services
+
+    settings = settings if settings is not None else Settings.from_env()
+    app = Flask(__name__, static_folder=None)
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
+    app.json.sort_keys = False
+    Services.build(settings).init_app(app)
+    errors.register_error_handlers(app)
+    app.register_blueprint(jobs.bp)
+    app.register_blueprint(events.bp)
+    app.register_blueprint(meta.bp)
+    logger.info("llmq API ready: models %s, auth %s", sorted(settings.models),
+                "on" if settings.auth_enabled else "off")
+    return app

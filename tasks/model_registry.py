@@ -1,0 +1,132 @@
+"""Served models as the web sees them: name, checkpoint, tokenizer, context length.
+
+The web tokenizes every prompt (length checks and chat templates need the tokenizer), so
+each process loads a model's tokenizer once, on first use, through `transformers`
+(offline). No weights, no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tasks.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+
+class UnknownModelError(LookupError):
+    def __init__(self, name: str, served: list[str]) -> None:
+        super().__init__(f"model {name!r} is not served here; served models: "
+                         f"{', '.join(served) or '(none: set LLMQ_MODELS)'}")
+        self.name = name
+
+
+class ModelLoadError(RuntimeError):
+    """A configured model's checkpoint directory cannot be read."""
+
+
+@dataclass(slots=True)
+class ServedModel:
+    name: str
+    path: str  # checkpoint directory
+    max_model_len: int  # prompt tokens + max_tokens must fit in this
+    tokenizer: Any  # a transformers tokenizer; thread-safe for encode/decode
+
+    def encode(self, prompt: str) -> list[int]:
+        """Token ids of a completion prompt (with the model's own special tokens, e.g. BOS)."""
+        return list(self.tokenizer(prompt).input_ids)
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        """The prompt text of a chat: the tokenizer's chat template with the assistant cue.
+
+        Raises ValueError when the model has no chat template or the template rejects the
+        messages (e.g. roles out of order).
+        """
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"model {self.name!r} has no chat template; send a prompt instead "
+                             "of messages")
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=True)
+        except Exception as exc:  # noqa: BLE001 - template errors are Jinja's own types
+            raise ValueError(f"the chat template of {self.name!r} rejected the messages: "
+                             f"{exc}") from None
+        return str(text)
+
+    def encode_chat(self, text: str) -> list[int]:
+        """Token ids of a rendered chat (the template already holds the special tokens)."""
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+
+def read_max_model_len(path: str, limit: int | None = None) -> int:
+    """The context length from the checkpoint's config.json, capped by `limit` if given."""
+    config_path = Path(path) / "config.json"
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read {config_path}: {exc}") from None
+    text_config = config.get("text_config") or config
+    length = text_config.get("max_position_embeddings") or config.get("max_position_embeddings")
+    if not isinstance(length, int) or length < 1:
+        raise ModelLoadError(f"{config_path} has no max_position_embeddings")
+    return min(length, limit) if limit else length
+
+
+class ModelRegistry:
+    """The models of `settings.models`, loaded lazily and cached for the process."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self._models: dict[str, ServedModel] = {}
+        self._lock = threading.Lock()
+
+    def names(self) -> list[str]:
+        return sorted(self._settings.models)
+
+    def max_model_len(self, name: str) -> int:
+        """Context length without loading the tokenizer (for listings)."""
+        if name in self._models:
+            return self._models[name].max_model_len
+        return read_max_model_len(self._path(name), self._settings.max_model_len)
+
+    def get(self, name: str) -> ServedModel:
+        """Raises UnknownModelError, or ModelLoadError when the checkpoint is unreadable."""
+        model = self._models.get(name)
+        if model is not None:
+            return model
+        path = self._path(name)
+        with self._lock:
+            model = self._models.get(name)
+            if model is None:
+                model = self._load(name, path)
+                self._models[name] = model
+        return model
+
+    def _path(self, name: str) -> str:
+        path = self._settings.models.get(name)
+        if path is None:
+            raise UnknownModelError(name, self.names())
+        return path
+
+    def _load(self, name: str, path: str) -> ServedModel:
+        max_model_len = read_max_model_len(path, self._settings.max_model_len)
+        try:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except Exception as exc:  # noqa: BLE001 - transformers raises many types here
+            raise ModelLoadError(f"cannot load the tokenizer of model {name!r} from {path}: "
+                                 f"{exc}") from None
+        logger.info("loaded tokenizer of model %s from %s (max_model_len %d)", name, path,
+                    max_model_len)
+        return ServedModel(name=name, path=path, max_model_len=max_model_len,
+                           tokenizer=tokenizer)

@@ -1,0 +1,110 @@
+"""One error shape for every failure: OpenAI's `{"error": {type, message, param, code}}`.
+
+Views raise `APIError`; HTTP errors (404, 405, 413, bad JSON), database and Redis outages
+and anything unexpected are turned into the same shape here, so no client ever parses an
+HTML error page. Outages of Postgres or Redis are 503s that say which one is down.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import kombu.exceptions
+import redis
+import sqlalchemy.exc
+from flask import Flask, Response, jsonify
+from werkzeug.exceptions import HTTPException
+
+logger = logging.getLogger(__name__)
+
+_TYPE_BY_STATUS = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error answered to the client as JSON with `status`."""
+
+    def __init__(self, status: int, code: str, message: str, param: str | None = None,
+                 type: str | None = None) -> None:  # noqa: A002 - the field is called type
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.param = param
+        self.type = type or _TYPE_BY_STATUS.get(
+            status, "invalid_request_error" if status < 500 else "server_error"
+        )
+
+    def response(self) -> Response:
+        body = {"error": {"type": self.type, "message": self.message, "param": self.param,
+                          "code": self.code}}
+        response = jsonify(body)
+        response.status_code = self.status
+        if self.status == 401:
+            response.headers["WWW-Authenticate"] = 'Bearer realm="llmq"'
+        return response
+
+
+def database_unavailable() -> APIError:
+    return APIError(503, "database_unavailable",
+                    "the job database is unreachable; try again shortly (operators: check "
+                    "LLMQ_DATABASE_URL and that Postgres is up)")
+
+
+def redis_unavailable() -> APIError:
+    return APIError(503, "redis_unavailable",
+                    "Redis (job queue and token streams) is unreachable; try again shortly "
+                    "(operators: check LLMQ_REDIS_URL and that Redis is up)")
+
+
+_HTTP_CODES = {400: "bad_request", 404: "not_found", 405: "method_not_allowed",
+               413: "request_too_large", 415: "unsupported_media_type"}
+
+
+def register_error_handlers(app: Flask) -> None:
+    @app.errorhandler(APIError)
+    def _api_error(error: APIError) -> Response:
+        return error.response()
+
+    @app.errorhandler(HTTPException)
+    def _http_error(error: HTTPException) -> Response:
+        status = error.code or 500
+        message = error.description or error.name
+        if status == 413:
+            limit = app.config.get("MAX_CONTENT_LENGTH")
+            message = f"the request body is larger than the limit of {limit} bytes"
+        elif status == 404:
+            message = "no such route; the API lives under /v1 (see /v1/jobs, /v1/models)"
+        elif status == 405:
+            allowed = ", ".join(sorted(getattr(error, "valid_methods", None) or []))
+            message = f"method not allowed on this route; allowed: {allowed or 'none'}"
+        response = APIError(status, _HTTP_CODES.get(status, "http_error"), message).response()
+        if status == 405 and getattr(error, "valid_methods", None):
+            response.headers["Allow"] = ", ".join(error.valid_methods)
+        return response
+
+    @app.errorhandler(sqlalchemy.exc.OperationalError)
+    @app.errorhandler(sqlalchemy.exc.InterfaceError)
+    @app.errorhandler(sqlalchemy.exc.DisconnectionError)
+    @app.errorhandler(sqlalchemy.exc.TimeoutError)  # pool exhausted waiting for a connection
+    def _database_down(error: Exception) -> Response:
+        logger.warning("database unavailable: %s", error)
+        return database_unavailable().response()
+
+    @app.errorhandler(redis.ConnectionError)
+    @app.errorhandler(redis.TimeoutError)
+    @app.errorhandler(kombu.exceptions.OperationalError)
+    def _redis_down(error: Exception) -> Response:
+        logger.warning("redis unavailable: %s", error)
+        return redis_unavailable().response()
+
+    @app.errorhandler(Exception)
+    def _unexpected(error: Exception) -> Response:
+        logger.exception("unhandled error")
+        return APIError(500, "internal_error",
+                        "internal server error; the server log has the details").response()

@@ -1,0 +1,272 @@
+"""The jobs API: submit, read, list and cancel jobs (`/v1/jobs`)."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+import redis
+import sqlalchemy.exc
+from flask import Blueprint, Response, jsonify, request
+from sqlalchemy import delete, or_, select, update
+
+from tasks.celery_app import send_generate
+from tasks.db import utcnow
+from tasks.model_registry import ModelLoadError, ServedModel, UnknownModelError
+from tasks.models import Job, JobStatus
+from tasks.protocol import EventType, JobEvent, cancel_channel, cancel_flag_key
+from tasks.schema import JobRequest, SchemaError, parse_job_request
+from tasks.streams import current_output
+from webapp.auth import current_api_key_id
+from webapp.errors import APIError, redis_unavailable
+from webapp.serialize import is_terminal, job_links, job_to_dict
+from webapp.services import services
+
+logger = logging.getLogger(__name__)
+
+bp = Blueprint("jobs", __name__, url_prefix="/v1/jobs")
+
+MAX_IDEMPOTENCY_KEY_CHARS = 200
+DEFAULT_PAGE_SIZE = 20
+MAX_PAGE_SIZE = 100
+
+
+@bp.post("")
+def create_job() -> tuple[Response, int]:
+    """Validate, tokenize, store the job (queued) and send `generate` for it."""
+    svc = services()
+    api_key_id = current_api_key_id()
+    body = request.get_json(force=True, silent=True)
+    if body is None:
+        raise APIError(400, "invalid_json", "the request body must be JSON (Content-Type: "
+                       "application/json) holding an object")
+    try:
+        job_request = parse_job_request(body, max_n=svc.settings.max_n)
+    except SchemaError as exc:
+        raise APIError(400, "invalid_value", exc.message, exc.param) from None
+    model = _served_model(job_request.model)
+    prompt_text, prompt_token_ids = _tokenize(model, job_request)
+    idempotency_key = _idempotency_key()
+    if idempotency_key is not None:
+        existing = _find_idempotent(api_key_id, idempotency_key)
+        if existing is not None:
+            return jsonify(job_to_dict(existing)), 200
+
+    job = Job(
+        api_key_id=api_key_id, model=job_request.model, kind=job_request.kind.value,
+        prompt=prompt_text, messages=job_request.messages, prompt_token_ids=prompt_token_ids,
+        params=job_request.params_dict(), priority=job_request.priority,
+        idempotency_key=idempotency_key, status=JobStatus.QUEUED.value, attempts=0,
+        prompt_tokens=len(prompt_token_ids), created_at=utcnow(),
+    )
+    try:
+        with svc.session_factory.begin() as session:
+            session.add(job)
+    except sqlalchemy.exc.IntegrityError:
+        # NOTE: a concurrent request with the same Idempotency-Key won the insert.
+        existing = _find_idempotent(api_key_id, idempotency_key) if idempotency_key else None
+        if existing is None:
+            raise
+        return jsonify(job_to_dict(existing)), 200
+    job_id = str(job.id)
+    try:
+        send_generate(svc.celery, svc.settings, job_id, job.model)
+    except Exception:
+        # The row must not stay queued with no message to run it: take it back.
+        logger.warning("job %s: could not enqueue generate; removing the row", job_id,
+                       exc_info=True)
+        with svc.session_factory.begin() as session:
+            session.execute(delete(Job).where(Job.id == job.id))
+        raise redis_unavailable() from None
+    logger.info("job %s queued: model %s, %d prompt tokens, max_tokens %d", job_id, job.model,
+                len(prompt_token_ids), job_request.params.max_tokens)
+    response = jsonify(job_to_dict(job))
+    response.headers["Location"] = job_links(job_id)["self"]
+    return response, 202
+
+
+@bp.get("/<job_id>")
+def get_job(job_id: str) -> Response:
+    """A job's status, output so far (from its stream while it runs), result and usage."""
+    job = load_job(job_id)
+    live_output = None
+    if not is_terminal(job) and job.status == JobStatus.RUNNING.value:
+        try:
+            live_output = current_output(services().subscriber.read_events(job_id))
+        except redis.RedisError:
+            # The row's periodic output snapshot still answers the poll.
+            logger.warning("job %s: stream unreadable; answering from the row", job_id)
+    return jsonify(job_to_dict(job, live_output))
+
+
+@bp.get("")
+def list_jobs() -> Response:
+    """The caller's jobs, newest first: `?status=`, `?limit=`, `?after=<job id>`."""
+    svc = services()
+    api_key_id = current_api_key_id()
+    args = request.args
+    limit = _page_size(args.get("limit"))
+    statement = select(Job).order_by(Job.created_at.desc(), Job.id.desc()).limit(limit + 1)
+    if svc.settings.auth_enabled:
+        statement = statement.where(Job.api_key_id == api_key_id)
+    if args.get("status"):
+        statuses = [s.strip() for s in args["status"].split(",") if s.strip()]
+        bad = [s for s in statuses if s not in {m.value for m in JobStatus}]
+        if bad:
+            raise APIError(400, "invalid_value", f"unknown status {bad[0]!r}; use one of "
+                           f"{', '.join(m.value for m in JobStatus)}", "status")
+        statement = statement.where(Job.status.in_(statuses))
+    with svc.session_factory() as session:
+        if args.get("after"):
+            cursor = _visible_job(session, args["after"], api_key_id)
+            if cursor is None:
+                raise APIError(400, "invalid_cursor", "after must be the id of a job from a "
+                               "previous page of this listing", "after")
+            statement = statement.where(or_(
+                Job.created_at < cursor.created_at,
+                (Job.created_at == cursor.created_at) & (Job.id < cursor.id),
+            ))
+        jobs = list(session.scalars(statement))
+    has_more = len(jobs) > limit
+    jobs = jobs[:limit]
+    return jsonify({
+        "object": "list",
+        "data": [job_to_dict(job) for job in jobs],
+        "has_more": has_more,
+        "last_id": str(jobs[-1].id) if jobs else None,
+    })
+
+
+@bp.post("/<job_id>/cancel")
+def cancel_job(job_id: str) -> tuple[Response, int]:
+    """Cancel: a queued job at once; a running job by asking its worker (202)."""
+    svc = services()
+    job = load_job(job_id)
+    if job.status == JobStatus.CANCELLED.value:
+        return jsonify(job_to_dict(job)), 200
+    if is_terminal(job):
+        raise APIError(409, "job_finished", f"job {job_id} already {job.status}; nothing to "
+                       "cancel")
+    if job.status == JobStatus.QUEUED.value:
+        now = utcnow()
+        with svc.session_factory.begin() as session:
+            cancelled = session.execute(
+                update(Job)
+                .where(Job.id == job.id, Job.status == JobStatus.QUEUED.value)
+                .values(status=JobStatus.CANCELLED.value, finish_reason="cancelled",
+                        finished_at=now)
+            ).rowcount
+        if cancelled:
+            usage = {"prompt_tokens": job.prompt_tokens or 0, "completion_tokens": 0,
+                     "total_tokens": job.prompt_tokens or 0, "cached_tokens": 0}
+            try:
+                svc.publisher.publish([(job_id, JobEvent(EventType.CANCELLED,
+                                                         finish_reason="cancelled",
+                                                         usage=usage))])
+            except redis.RedisError:
+                # The row is the truth; the event stream falls back to it (see events.py).
+                logger.warning("job %s cancelled but its terminal event was not published",
+                               job_id)
+            logger.info("job %s cancelled while queued", job_id)
+            return jsonify(job_to_dict(load_job(job_id))), 200
+        # it started meanwhile: ask its worker like any running job
+    _request_running_cancel(job_id)
+    logger.info("job %s: cancel requested from its worker", job_id)
+    body = job_to_dict(load_job(job_id))
+    body["cancel_requested"] = True
+    return jsonify(body), 202
+
+
+def load_job(job_id: str) -> Job:
+    """The caller's job `job_id`, or a 404 (also for another key's job)."""
+    api_key_id = current_api_key_id()
+    with services().session_factory() as session:
+        job = _visible_job(session, job_id, api_key_id)
+    if job is None:
+        raise APIError(404, "job_not_found", f"no job {job_id!r}", "job_id")
+    return job
+
+
+def _visible_job(session: Any, job_id: str, api_key_id: uuid.UUID | None) -> Job | None:
+    try:
+        job_uuid = uuid.UUID(job_id)
+    except ValueError:
+        return None
+    job = session.get(Job, job_uuid)
+    if job is None:
+        return None
+    if services().settings.auth_enabled and job.api_key_id != api_key_id:
+        return None
+    return job
+
+
+def _request_running_cancel(job_id: str) -> None:
+    svc = services()
+    pipe = svc.redis.pipeline(transaction=False)
+    # NOTE: the flag outlives a lease reclaim, so a requeued job is cancelled at its claim.
+    pipe.set(cancel_flag_key(svc.settings, job_id), b"1", ex=svc.settings.stream_ttl_seconds)
+    pipe.publish(cancel_channel(svc.settings), job_id)
+    pipe.execute()
+
+
+def _served_model(name: str) -> ServedModel:
+    try:
+        return services().models.get(name)
+    except UnknownModelError as exc:
+        raise APIError(404, "model_not_found", str(exc), "model") from None
+    except ModelLoadError as exc:
+        logger.error("model %s cannot be loaded: %s", name, exc)
+        raise APIError(503, "model_unavailable", str(exc), "model") from None
+
+
+def _tokenize(model: ServedModel, job_request: JobRequest) -> tuple[str | None, list[int]]:
+    """(prompt text, prompt token ids), checked against the model's context length."""
+    if job_request.messages is not None:
+        try:
+            text: str | None = model.render_chat(job_request.messages)
+        except ValueError as exc:
+            raise APIError(400, "invalid_messages", str(exc), "messages") from None
+        token_ids = model.encode_chat(text or "")
+    elif job_request.prompt_token_ids is not None:
+        text, token_ids = None, job_request.prompt_token_ids
+        if max(token_ids) >= model.vocab_size:
+            raise APIError(400, "invalid_value", f"prompt token ids must be below the "
+                           f"vocabulary size {model.vocab_size}", "prompt")
+    else:
+        text = job_request.prompt
+        token_ids = model.encode(text or "")
+    max_tokens = job_request.params.max_tokens
+    if len(token_ids) + max_tokens > model.max_model_len:
+        raise APIError(400, "context_length_exceeded",
+                       f"the prompt has {len(token_ids)} tokens and max_tokens is {max_tokens}, "
+                       f"{len(token_ids) + max_tokens} in all, but model {model.name!r} fits "
+                       f"{model.max_model_len}; shorten the prompt or lower max_tokens",
+                       "max_tokens" if len(token_ids) < model.max_model_len else "prompt")
+    return text, token_ids
+
+
+def _idempotency_key() -> str | None:
+    key = request.headers.get("Idempotency-Key")
+    if key is None:
+        return None
+    key = key.strip()
+    if not key or len(key) > MAX_IDEMPOTENCY_KEY_CHARS:
+        raise APIError(400, "invalid_idempotency_key", f"Idempotency-Key must be 1 to "
+                       f"{MAX_IDEMPOTENCY_KEY_CHARS} characters", "Idempotency-Key")
+    return key
+
+
+def _find_idempotent(api_key_id: uuid.UUID | None, key: str) -> Job | None:
+    owner = Job.api_key_id.is_(None) if api_key_id is None else Job.api_key_id == api_key_id
+    with services().session_factory() as session:
+        return session.scalar(select(Job).where(owner, Job.idempotency_key == key))
+
+
+def _page_size(raw: str | None) -> int:
+    if raw is None:
+        return DEFAULT_PAGE_SIZE
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_PAGE_SIZE:
+        raise APIError(400, "invalid_value", f"limit must be an integer from 1 to "
+                       f"{MAX_PAGE_SIZE}", "limit")
+    return int(raw)

@@ -1,0 +1,63 @@
+"""What the views share: database sessions, Redis, the Celery sender, the model registry.
+
+Built once per app by `create_app`; opening the objects connects to nothing, so the app
+starts (and answers /health) while Postgres or Redis are still coming up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sqlalchemy
+from celery import Celery
+from flask import Flask, current_app
+from redis import Redis
+from sqlalchemy.orm import Session, sessionmaker
+
+from tasks.celery_app import create_celery
+from tasks.db import create_db_engine, make_sessionmaker
+from tasks.model_registry import ModelRegistry
+from tasks.redis_client import make_redis
+from tasks.settings import Settings
+from tasks.streams import EventPublisher, EventSubscriber
+
+EXTENSION_KEY = "llmq"
+
+
+@dataclass(slots=True)
+class Services:
+    settings: Settings
+    engine: sqlalchemy.Engine
+    session_factory: sessionmaker[Session]
+    redis: Redis
+    celery: Celery
+    models: ModelRegistry
+    publisher: EventPublisher
+    subscriber: EventSubscriber
+
+    @classmethod
+    def build(cls, settings: Settings) -> "Services":
+        engine = create_db_engine(settings.database_url)
+        redis = make_redis(settings.redis_url)
+        return cls(
+            settings=settings,
+            engine=engine,
+            session_factory=make_sessionmaker(engine),
+            redis=redis,
+            celery=create_celery(settings),
+            models=ModelRegistry(settings),
+            publisher=EventPublisher(redis, settings),
+            subscriber=EventSubscriber(redis, settings),
+        )
+
+    def init_app(self, app: Flask) -> None:
+        app.extensions[EXTENSION_KEY] = self
+
+    def close(self) -> None:
+        self.redis.close()
+        self.engine.dispose()
+
+
+def services() -> Services:
+    """The services of the current app (inside a request or app context)."""
+    return current_app.extensions[EXTENSION_KEY]
