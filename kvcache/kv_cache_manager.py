@@ -242,7 +242,7 @@ class KVCacheManager:
             block_tokens = token_ids[index * bs : (index + 1) * bs]
             parent = hash_block(parent, block_tokens, extra_keys)
             block = self.block_pool.blocks[block_id]
-            if self.block_pool.get_cached_block(parent, block_tokens) is not block:
+            if block.block_hash != parent or block.token_ids != tuple(block_tokens):
                 raise ValueError(
                     f"seq {seq_id}: computed block {block_id} no longer holds its prefix "
                     "(evicted since get_computed_blocks); call get_computed_blocks and "
@@ -277,7 +277,10 @@ class KVCacheManager:
         return [] if state is None else list(state.block_ids)
 
     def get_block_hashes(self, seq_id: int) -> list[BlockHash]:
-        """Chained hashes of the sequence's full blocks so far (e.g. keys for a KV tier)."""
+        """Chained hashes of the sequence's full blocks so far (e.g. keys for a KV tier).
+
+        Empty with prefix caching disabled: then nothing is hashed.
+        """
         state = self._seqs.get(seq_id)
         return [] if state is None else list(state.block_hashes)
 
