@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from kvcache.block_format import (  # noqa: F401  (block_key, make_fingerprint: re-exported)
+    HEADER_SIZE,
     BlockMeta,
     block_key,
     decode_block,
@@ -59,9 +60,13 @@ class _LRUCounter:
 @dataclass(slots=True)
 class _StoreJob:
     block_hash: BlockHash
-    payload: bytes  # the runner's bytes of the block
+    data: bytes  # the runner's payload, or an encoded blob when `encoded`
     tier_indices: tuple[int, ...]  # where to write it
-    blob: bytes | None = None  # already encoded (a promotion from a lower tier)
+    encoded: bool = False  # True for a promotion: the blob a lower tier returned
+
+    @property
+    def num_payload_bytes(self) -> int:
+        return len(self.data) - HEADER_SIZE if self.encoded else len(self.data)
 
 
 class KVOffloadManager:
@@ -134,6 +139,8 @@ class KVOffloadManager:
         `block_hashes` are the chained hashes after the device-tier hit; payload i belongs
         to block_hashes[i]. Each tier gets one round trip for the hashes still missing and
         contributes blobs up to its first miss or bad blob; the next tier continues there.
+        NOTE: the whole remainder is fetched at once, so pass no more hashes than the device
+        has free blocks to load them into.
         """
         payloads: list[bytes] = []
         promotions: list[_StoreJob] = []
@@ -165,8 +172,8 @@ class KVOffloadManager:
             payloads.extend(payload for _, payload in found)
             above = tuple(i for i in range(index) if not self._is_resting(i))
             if self.promote and above:
-                promotions += [_StoreJob(h, p, above, blob)
-                               for h, (blob, p) in zip(wanted, found)]
+                promotions += [_StoreJob(h, blob, above, encoded=True)
+                               for h, (blob, _) in zip(wanted, found)]
             with self._lock:
                 stats = self._stats.tiers[index]
                 stats.num_lookups += 1
@@ -212,7 +219,7 @@ class KVOffloadManager:
             if self._closed:
                 return
             for job in jobs:
-                size = len(job.payload)
+                size = len(job.data)
                 if self._num_queued_bytes + size > self.max_queue_bytes:
                     dropped += 1
                     continue
@@ -235,11 +242,11 @@ class KVOffloadManager:
                 if not self._queue:
                     return  # closed and drained
                 batch = [self._queue.popleft()]
-                batch_bytes = len(batch[0].payload)
-                while self._queue and batch_bytes + len(self._queue[0].payload) <= \
+                batch_bytes = len(batch[0].data)
+                while self._queue and batch_bytes + len(self._queue[0].data) <= \
                         self.batch_max_bytes:
                     batch.append(self._queue.popleft())
-                    batch_bytes += len(batch[-1].payload)
+                    batch_bytes += len(batch[-1].data)
                 self._num_queued_bytes -= batch_bytes
             try:
                 self._write(batch)
@@ -252,12 +259,13 @@ class KVOffloadManager:
 
     def _write(self, batch: list[_StoreJob]) -> None:
         blobs: dict[BlockHash, bytes] = {}
-        sizes = {job.block_hash: len(job.payload) for job in batch}
+        sizes = {job.block_hash: job.num_payload_bytes for job in batch}
         for job in batch:
             if job.block_hash in blobs:
                 continue
             try:
-                blobs[job.block_hash] = job.blob or encode_block(job.payload, self.meta)
+                blobs[job.block_hash] = (job.data if job.encoded
+                                         else encode_block(job.data, self.meta))
             except ValueError as exc:  # the caller's payload does not match the layout
                 self._log_limited("encode", "KV offload: not storing a block: %s", exc)
         for index, tier in enumerate(self.tiers):

@@ -397,3 +397,67 @@ def test_a_capped_redis_tier_evicts_old_blocks_and_never_fails(capped_redis_url:
         assert manager.stats().tiers[0].num_store_errors > 0
     finally:
         manager.close()
+
+
+# --- with the model runner: a tier hit is the same KV as a recompute --------------------
+
+
+def test_blocks_loaded_from_the_tier_give_the_same_logits_as_recompute(
+        tiny_qwen3_dir: Path, redis_url: str, kv_prefix: str, tmp_path: Path) -> None:
+    import torch
+
+    from tasks.params import SamplingParams
+    from workers.loader import load_checkpoint
+    from workers.model_runner import ModelRunner
+    from workers.step_io import ScheduledSequence, SchedulerOutput
+
+    loaded = load_checkpoint(tiny_qwen3_dir, dtype="float32")
+    config = loaded.config
+    block_size = 4
+    prompt = [(7 * i + 3) % 200 + 5 for i in range(3 * block_size + 2)]  # 3 full blocks
+
+    def step(tokens: list[int], start_pos: int, block_table: list[int],
+             blocks_to_load: list[tuple[int, bytes]]) -> SchedulerOutput:
+        seq = ScheduledSequence(seq_id=1, token_ids=tokens, start_pos=start_pos,
+                                block_table=block_table, sample=True,
+                                params=SamplingParams(temperature=0.0),
+                                prompt_token_ids=prompt, output_token_ids=[])
+        return SchedulerOutput(scheduled=[seq], num_batched_tokens=len(tokens),
+                               blocks_to_load=blocks_to_load)
+
+    def manager_for(runner: ModelRunner) -> KVOffloadManager:
+        meta = BlockMeta(make_fingerprint(loaded.fingerprint, str(runner.dtype),
+                                          runner.block_size, 1, 0),
+                         str(runner.dtype), runner.block_size,
+                         (2, config.num_layers, runner.block_size, config.num_kv_heads,
+                          config.head_dim))
+        assert meta.num_bytes == runner.bytes_per_block
+        return KVOffloadManager([RedisTierStore(redis_url, kv_prefix),
+                                 DiskTierStore(tmp_path, 10**8)], meta)
+
+    # worker A computes the whole prompt and offloads its full blocks
+    first = ModelRunner(loaded, block_size=block_size, kv_cache_bytes=1 << 20)
+    full = first.forward_logits(step(prompt, 0, [0, 1, 2, 3], []))
+    hashes = hash_full_blocks(prompt, block_size)
+    offload_a = manager_for(first)
+    offload_a.store(list(zip(hashes, first.read_blocks([0, 1, 2]))))
+    assert offload_a.flush(10)
+    offload_a.close()
+
+    # worker B finds the 3 blocks in the tier, loads them into other block ids and
+    # computes only the last 2 tokens: the same logits as computing everything
+    second = ModelRunner(loaded, block_size=block_size, kv_cache_bytes=1 << 20)
+    offload_b = manager_for(second)
+    payloads = offload_b.lookup(hashes)
+    assert len(payloads) == 3
+    tail = second.forward_logits(step(prompt[12:], 12, [5, 6, 7, 8],
+                                      list(zip([5, 6, 7], payloads))))
+    torch.testing.assert_close(tail, full[12:], rtol=1e-5, atol=1e-5)
+    assert int(tail[-1].argmax()) == int(full[-1].argmax())
+    offload_b.close()
+
+    # a worker with another block size has another fingerprint: nothing to share
+    other = ModelRunner(loaded, block_size=2 * block_size, kv_cache_bytes=1 << 20)
+    offload_c = manager_for(other)
+    assert offload_c.lookup(hash_full_blocks(prompt, 2 * block_size)) == []
+    offload_c.close()
