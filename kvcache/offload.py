@@ -309,6 +309,9 @@ class KVOffloadManager:
         self.flush(timeout)
         with self._cond:
             self._closed = True
+            # what the timeout left unwritten is dropped (a cache may lose blocks)
+            self._num_pending -= len(self._queue)
+            self._num_queued_bytes = 0
             self._queue.clear()
             self._cond.notify_all()
         self._thread.join(timeout)
