@@ -411,3 +411,24 @@ def test_503_when_redis_or_postgres_is_down(start_web, api_settings, session_fac
     _assert_error(requests.get(f"{no_db}/v1/jobs/{uuid.uuid4()}", timeout=30), 503,
                   "database_unavailable")
     assert requests.get(f"{no_db}/health", timeout=30).status_code == 200
+
+
+def test_cli_keys_create_prints_a_working_key_once(start_web, api_settings, session_factory):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "LLMQ_DATABASE_URL": api_settings.database_url}
+    result = subprocess.run([sys.executable, "-m", "tasks.cli", "keys", "create", "ci-bot"],
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    key = result.stdout.strip()
+    assert key.startswith("llmq-") and len(key.splitlines()) == 1
+    assert "shown only this once" in result.stderr
+    listed = subprocess.run([sys.executable, "-m", "tasks.cli", "keys", "list"], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert "ci-bot" in listed.stdout and key not in listed.stdout
+
+    api = start_web(api_settings.with_overrides(auth_enabled=True))
+    assert requests.get(f"{api}/v1/jobs", headers={"Authorization": f"Bearer {key}"},
+                        timeout=30).status_code == 200

@@ -100,3 +100,15 @@ def test_migration_matches_the_models(service_settings, db_engine):
     with db_engine.connect() as conn:
         diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
     assert diff == [], f"models and migrations differ; add a revision: {diff}"
+
+
+def test_every_cli_command_has_help():
+    import subprocess
+    import sys
+
+    for command in ([], ["web"], ["beat"], ["db", "upgrade"], ["keys", "create"],
+                    ["keys", "list"], ["make-model"], ["submit"]):
+        result = subprocess.run([sys.executable, "-m", "tasks.cli", *command, "--help"],
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, (command, result.stderr)
+        assert "usage: llmq" in result.stdout
