@@ -98,6 +98,7 @@ class Scheduler:
             seq.status = status
             self.seqs.pop(seq.seq_id, None)
             self.kv_manager.free(seq.seq_id)
+            seq.block_table = []
             # samples still held for this one's prompt start on their own now
             for sibling in self.deferred.pop(seq.seq_id, []):
                 if not sibling.is_finished:
@@ -113,6 +114,7 @@ class Scheduler:
         """Recompute policy: drop the KV, keep the tokens, wait at the front again."""
         self.running.remove(seq)
         self.kv_manager.free(seq.seq_id)
+        seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.PREEMPTED
@@ -130,32 +132,61 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         preempted: list[int] = []
-        # blocks whose KV this step writes: another sequence must not take them as cached
-        writing: set[int] = set()
-
+        bs = self.block_size
+        threshold = self.long_prefill_token_threshold
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = self._chunk_size(seq, seq.num_computed_tokens, budget)
-            while True:
-                block_table = self.kv_manager.allocate_slots(
-                    seq.seq_id, seq.token_ids, seq.num_computed_tokens, num_new
-                )
-                if block_table is not None:
-                    break
-                # NOTE: running is sorted, and the sequences before i are scheduled, so the
-                # victim (the last one) is never a sequence already in this step's batch.
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted.append(victim.seq_id)
-                if victim is seq:
-                    break
-            if block_table is None:
-                break  # seq itself was the last one left to preempt
+            start = seq.num_computed_tokens
+            num_new = len(seq.token_ids) - start
+            if 0 < threshold < num_new:
+                num_new = threshold
+            if num_new > budget:
+                num_new = budget
+            end = start + num_new
+            block_table: list[int] | None = seq.block_table
+            # Fast path (most decode steps): the table already covers the chunk and no
+            # block becomes full in it, so allocate_slots would change nothing.
+            if end > len(block_table) * bs or end // bs != start // bs:
+                while True:
+                    block_table = self.kv_manager.allocate_slots(
+                        seq.seq_id, seq.token_ids, start, num_new
+                    )
+                    if block_table is not None:
+                        break
+                    # NOTE: running is sorted, and the sequences before i are scheduled,
+                    # so the victim (the last one) is never already in this step's batch.
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    preempted.append(victim.seq_id)
+                    if victim is seq:
+                        break
+                if block_table is None:
+                    break  # seq itself was the last one left to preempt
+                seq.block_table = block_table
             budget -= num_new
-            scheduled.append(self._schedule_chunk(seq, num_new, block_table, writing))
+            # NOTE: block_table is the manager's fresh list for this sequence, never
+            # mutated afterwards (the next allocation returns a new one): passed uncopied.
+            scheduled.append(
+                ScheduledSequence(
+                    seq.seq_id,
+                    seq.token_ids[start:end],
+                    start,
+                    block_table,
+                    end == len(seq.token_ids),
+                    seq.params,
+                    seq.prompt_token_ids,
+                    seq.output_token_ids,
+                )
+            )
+            seq.num_computed_tokens = end
             i += 1
 
+        # blocks whose KV this step writes: a waiting sequence must not take them as cached
+        writing: set[int] = set()
+        if self.waiting and self.enable_prefix_caching:
+            for scheduled_seq in scheduled:
+                writing.update(self._blocks_written(scheduled_seq))
         # NOTE: after a preemption, admitting waiting sequences would only churn the cache
         while (
             not preempted
@@ -177,6 +208,7 @@ class Scheduler:
             if block_table is None:
                 break  # no room: waiting sequences never preempt running ones
             self.waiting.pop(0)
+            seq.block_table = block_table
             if not seq.admitted:
                 seq.num_cached_tokens = min(num_cached, seq.num_prompt_tokens)
                 seq.admitted = True
@@ -205,18 +237,24 @@ class Scheduler:
     ) -> ScheduledSequence:
         start = seq.num_computed_tokens
         end = start + num_new
-        writing.update(block_table[start // self.block_size : (end - 1) // self.block_size + 1])
         seq.num_computed_tokens = end
-        return ScheduledSequence(
-            seq_id=seq.seq_id,
-            token_ids=seq.token_ids[start:end],
-            start_pos=start,
-            block_table=list(block_table),
-            sample=end == seq.num_tokens,
-            params=seq.params,
-            prompt_token_ids=seq.prompt_token_ids,
-            output_token_ids=seq.output_token_ids,
+        scheduled = ScheduledSequence(
+            seq.seq_id,
+            seq.token_ids[start:end],
+            start,
+            block_table,
+            end == len(seq.token_ids),
+            seq.params,
+            seq.prompt_token_ids,
+            seq.output_token_ids,
         )
+        writing.update(self._blocks_written(scheduled))
+        return scheduled
+
+    def _blocks_written(self, scheduled: ScheduledSequence) -> list[int]:
+        start = scheduled.start_pos
+        end = start + len(scheduled.token_ids)
+        return scheduled.block_table[start // self.block_size : (end - 1) // self.block_size + 1]
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -228,21 +266,26 @@ class Scheduler:
         strings are the engine's (they need the text) and end a sequence via `finish_seqs`.
         """
         sampled: list[Sequence] = []
+        seqs = self.seqs
+        running = SequenceStatus.RUNNING
         for seq_id, token_id, logprobs in zip(
             runner_output.seq_ids, runner_output.sampled_token_ids, runner_output.logprobs
         ):
-            seq = self.seqs.get(seq_id)
-            if seq is None or seq.status != SequenceStatus.RUNNING:
+            seq = seqs.get(seq_id)
+            if seq is None or seq.status != running:
                 continue  # finished or aborted since it was scheduled
-            seq.append_token(token_id, logprobs)
+            seq.output_token_ids.append(token_id)
+            seq.token_ids.append(token_id)
+            seq.output_logprobs.append(logprobs)
             sampled.append(seq)
             status = self._check_stop(seq, token_id)
             if status is not None:
                 self.finish_seqs([seq], status)
-        # other samples may start once sample 0's prompt blocks are computed and cached
-        for head_id in [h for h in self.deferred if self._prompt_done(h)]:
-            for sibling in self.deferred.pop(head_id):
-                self._enqueue_waiting(sibling)
+        if self.deferred:
+            # other samples may start once sample 0's prompt blocks are computed and cached
+            for head_id in [h for h in self.deferred if self._prompt_done(h)]:
+                for sibling in self.deferred.pop(head_id):
+                    self._enqueue_waiting(sibling)
         return sampled
 
     def _prompt_done(self, head_id: int) -> bool:
@@ -251,13 +294,14 @@ class Scheduler:
 
     def _check_stop(self, seq: Sequence, token_id: int) -> SequenceStatus | None:
         params = seq.params
-        if seq.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token_id in self.eos_token_ids:
+        num_output = len(seq.output_token_ids)
+        if num_output >= params.min_tokens:
+            if token_id in self.eos_token_ids and not params.ignore_eos:
                 return SequenceStatus.FINISHED_STOPPED
-            if token_id in params.stop_token_ids:
+            if params.stop_token_ids and token_id in params.stop_token_ids:
                 seq.stop_reason = token_id
                 return SequenceStatus.FINISHED_STOPPED
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if num_output >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
             return SequenceStatus.FINISHED_LENGTH
         return None
 

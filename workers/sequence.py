@@ -60,6 +60,9 @@ class Sequence:
     # prompt tokens served from the prefix cache at first admission
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    # the KV block table last returned by the manager (read-only here); empty when the
+    # sequence holds no blocks (waiting, preempted, finished)
+    block_table: list[int] = field(default_factory=list)
     admitted: bool = False  # scheduled at least once
     status: SequenceStatus = SequenceStatus.WAITING
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
