@@ -99,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--preset", default="tiny", help="tiny, small or 100m")
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--dtype", default="float32")
+    make.add_argument("--if-missing", action="store_true",
+                      help="do nothing when OUT_DIR already holds a checkpoint (config.json)")
     make.set_defaults(handler=cmd_make_model)
 
     # `llmq worker ...` is handed whole to workers.worker.main (see main()); listed for --help
@@ -209,6 +211,12 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    if args.if_missing and (Path(args.out_dir) / "config.json").exists():
+        print(f"{args.out_dir} already holds a checkpoint; left as is", file=sys.stderr)
+        print(args.out_dir)
+        return 0
     from workers.make_model import make_model
 
     path = make_model(args.out_dir, arch=args.arch, preset=args.preset, seed=args.seed,
