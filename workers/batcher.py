@@ -7,9 +7,11 @@ groups take them (back-pressure without a router). Every loop the batcher
   1. applies cancel requests (between steps, never inside one),
   2. adds the admitted jobs to the engine,
   3. runs `engine.step()`,
-  4. turns the deltas into `JobEvent`s and publishes ALL of them in one pipeline,
+  4. turns the deltas into `JobEvent`s and queues ALL of them for one publish call (one
+     Redis pipeline) on the step publisher thread, which overlaps the next step,
   5. hands first-token times, partial output and finished results to the writer thread
-     (which commits a terminal row before publishing the terminal event).
+     (results only once their token events are out; the writer commits a terminal row
+     before publishing the terminal event).
 
 It waits idle when nothing runs. An exception in a step fails the jobs that were in the
 engine with a terminal `error` event and a reason; the thread keeps serving.
@@ -30,6 +32,7 @@ from tasks.models import JobStatus
 from tasks.params import SamplingParams
 from tasks.protocol import EventType, JobEvent
 from workers.db_writer import DbWriter
+from workers.step_publisher import StepPublisher
 from workers.job_state import JobState
 from workers.outputs import CompletionDelta
 
@@ -76,7 +79,6 @@ class Batcher:
         stats_interval: float = 0.5,
     ) -> None:
         self.engine = engine
-        self.publish = publish
         self.writer = writer
         self.capacity = capacity  # samples admitted at once (= the engine's max_num_seqs)
         self.progress_interval = progress_interval
@@ -99,12 +101,14 @@ class Batcher:
         self._finished: list[JobState] = []
         self._first_tokens: list[JobState] = []  # results to hand over after this step's events
         self.aborted: list[AdmittedJob] = []  # set when the loop ends: jobs given back
+        self._publisher = StepPublisher(publish, writer.finish)
         self._thread = threading.Thread(target=self._run, name="llmq-batcher", daemon=True)
 
     # -- other threads -------------------------------------------------------------------
 
     def start(self) -> None:
         self._refresh_stats(force=True)
+        self._publisher.start()
         self._thread.start()
 
     def admit(self, job: AdmittedJob, timeout: float | None = None) -> bool:
@@ -201,6 +205,7 @@ class Batcher:
             self._refresh_stats()
             if stopping and not self._jobs:
                 break
+        self._publisher.stop()
         logger.info("batcher stopped after %d steps", self._num_steps)
 
     def _apply_cancels(self, cancels: set[str], events: list[tuple[str, JobEvent]]) -> None:
@@ -295,14 +300,9 @@ class Batcher:
         self._finished.append(state)
 
     def _emit(self, events: list[tuple[str, JobEvent]]) -> None:
-        if events:
-            try:
-                self.publish(events)
-            except Exception:  # noqa: BLE001 - tokens are lost to live readers, not the row
-                logger.exception("publishing %d events failed", len(events))
+        """Queue this step's events (one publish call) and then its finished results."""
         finished, self._finished = self._finished, []
-        for state in finished:
-            self.writer.finish(state.result())
+        self._publisher.submit(events, [state.result() for state in finished])
         if finished:
             with self._cv:
                 self._active_samples -= sum(max(1, s.job.params.n) for s in finished)
