@@ -8,7 +8,7 @@ the SSE event id. Every job's stream ends with exactly one terminal event.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any
 
@@ -48,7 +48,10 @@ class JobEvent:
 
     def to_fields(self) -> dict[str, str]:
         """Stream entry fields: the event type plus one JSON payload."""
-        payload = {k: v for k, v in asdict(self).items() if k != "type" and v not in (None, "", [])}
+        # NOTE: a shallow read of the fields, not asdict(): asdict deep-copies recursively
+        # and was half the cost of publishing a step's events; the JSON is the same.
+        payload = {name: getattr(self, name) for name in _PAYLOAD_FIELDS}
+        payload = {k: v for k, v in payload.items() if v not in (None, "", [])}
         return {"type": self.type.value, "data": json.dumps(payload, separators=(",", ":"))}
 
     @classmethod
@@ -59,6 +62,9 @@ class JobEvent:
         }
         payload = json.loads(decoded.get("data") or "{}")
         return cls(type=EventType(decoded["type"]), **payload)
+
+
+_PAYLOAD_FIELDS = tuple(f.name for f in fields(JobEvent) if f.name != "type")
 
 
 def events_key(settings: Settings, job_id: str) -> str:
