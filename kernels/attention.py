@@ -48,6 +48,60 @@ class AttentionMetadata:
     decodes: DecodeBatch | None
 
 
+def build_attention_metadata(
+    kv_cache: torch.Tensor, spans: list[tuple[int, int, list[int]]]
+) -> AttentionMetadata:
+    """Metadata for one step. `spans` holds, per sequence in flattened order,
+    `(start_pos, num_tokens, block_table)`; block tables must cover the new tokens."""
+    block_size = kv_cache.shape[3]
+    dev = kv_cache.device
+    slot_blocks: list[int] = []
+    slot_offsets: list[int] = []
+    chunks: list[PrefillChunk] = []
+    dec_rows: list[int] = []
+    dec_tables: list[list[int]] = []
+    dec_lens: list[int] = []
+    row = 0
+    for start, n, table in spans:
+        end = start + n
+        table = table[: -(-end // block_size)]
+        for pos in range(start, end):
+            slot_blocks.append(table[pos // block_size])
+            slot_offsets.append(pos % block_size)
+        if n == 1:
+            dec_rows.append(row)
+            dec_tables.append(table)
+            dec_lens.append(end)
+        elif start == 0:
+            chunks.append(PrefillChunk(row, n, 0, None, None))
+        else:
+            keys = torch.arange(len(table) * block_size, device=dev)
+            queries = torch.arange(start, end, device=dev)
+            mask = keys[None, :] <= queries[:, None]  # causal, aligned to the context's end
+            table_t = torch.tensor(table, dtype=torch.int64, device=dev)
+            chunks.append(PrefillChunk(row, n, start, table_t, mask))
+        row += n
+    decodes = None
+    if dec_rows:
+        max_blocks = max(len(t) for t in dec_tables)
+        padded = [t + [0] * (max_blocks - len(t)) for t in dec_tables]  # block 0: masked
+        keys = torch.arange(max_blocks * block_size, device=dev)
+        lens = torch.tensor(dec_lens, dtype=torch.int64, device=dev)
+        decodes = DecodeBatch(
+            rows=torch.tensor(dec_rows, dtype=torch.int64, device=dev),
+            rows_are_all=len(dec_rows) == row,
+            block_tables=torch.tensor(padded, dtype=torch.int64, device=dev),
+            mask=(keys[None, :] < lens[:, None])[:, None, None, :],
+        )
+    return AttentionMetadata(
+        kv_cache=kv_cache,
+        slot_blocks=torch.tensor(slot_blocks, dtype=torch.int64, device=dev),
+        slot_offsets=torch.tensor(slot_offsets, dtype=torch.int64, device=dev),
+        chunks=chunks,
+        decodes=decodes,
+    )
+
+
 def store_kv(
     k: torch.Tensor,
     v: torch.Tensor,

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from kernels.attention import AttentionMetadata, DecodeBatch, PrefillChunk
+from kernels.attention import build_attention_metadata
 from workers.loader import LoadedCheckpoint
 from workers.step_io import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 
@@ -140,70 +140,22 @@ class ModelRunner:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
-        slot_blocks: list[int] = []
-        slot_offsets: list[int] = []
-        chunk_specs: list[tuple[int, int, int, list[int]]] = []
-        dec_rows: list[int] = []
-        dec_tables: list[list[int]] = []
-        dec_lens: list[int] = []
+        spans: list[tuple[int, int, list[int]]] = []
         for seq in scheduled:
-            row, n, start = len(input_ids), len(seq.token_ids), seq.start_pos
-            end = start + n
-            num_ctx_blocks = -(-end // bs)
-            if n == 0 or len(seq.block_table) < num_ctx_blocks:
+            n, start = len(seq.token_ids), seq.start_pos
+            num_blocks = -(-(start + n) // bs)
+            if n == 0 or len(seq.block_table) < num_blocks:
                 raise ValueError(
                     f"sequence {seq.seq_id}: {n} tokens from position {start} need "
-                    f"{num_ctx_blocks} blocks, block_table has {len(seq.block_table)}"
+                    f"{num_blocks} blocks, block_table has {len(seq.block_table)}"
                 )
             input_ids.extend(seq.token_ids)
-            positions.extend(range(start, end))
-            table = seq.block_table
-            for pos in range(start, end):
-                slot_blocks.append(table[pos // bs])
-                slot_offsets.append(pos % bs)
-            if n == 1:
-                dec_rows.append(row)
-                dec_tables.append(table[:num_ctx_blocks])
-                dec_lens.append(end)
-            else:
-                chunk_specs.append((row, n, start, table[:num_ctx_blocks]))
-        num_tokens = len(input_ids)
+            positions.extend(range(start, start + n))
+            spans.append((start, n, seq.block_table))
+        meta = build_attention_metadata(self.kv_cache, spans)
         dev = self.device
-        meta = AttentionMetadata(
-            kv_cache=self.kv_cache,
-            slot_blocks=torch.tensor(slot_blocks, dtype=torch.int64, device=dev),
-            slot_offsets=torch.tensor(slot_offsets, dtype=torch.int64, device=dev),
-            chunks=[self._chunk(*spec) for spec in chunk_specs],
-            decodes=self._decodes(dec_rows, dec_tables, dec_lens, num_tokens) if dec_rows
-            else None,
-        )
         return (torch.tensor(input_ids, dtype=torch.int64, device=dev),
                 torch.tensor(positions, dtype=torch.int64, device=dev), meta)
-
-    def _chunk(self, row: int, n: int, start: int, table: list[int]) -> PrefillChunk:
-        if start == 0:
-            return PrefillChunk(row, n, start, None, None)
-        dev = self.device
-        keys = torch.arange(len(table) * self.block_size, device=dev)
-        queries = torch.arange(start, start + n, device=dev)
-        mask = keys[None, :] <= queries[:, None]  # causal, aligned to the context's end
-        return PrefillChunk(row, n, start, torch.tensor(table, dtype=torch.int64, device=dev),
-                            mask)
-
-    def _decodes(self, rows: list[int], tables: list[list[int]], lens: list[int],
-                 num_tokens: int) -> DecodeBatch:
-        dev = self.device
-        max_blocks = max(len(t) for t in tables)
-        padded = [t + [0] * (max_blocks - len(t)) for t in tables]  # block 0: masked out
-        keys = torch.arange(max_blocks * self.block_size, device=dev)
-        lens_t = torch.tensor(lens, dtype=torch.int64, device=dev)
-        mask = (keys[None, :] < lens_t[:, None])[:, None, None, :]
-        return DecodeBatch(
-            rows=torch.tensor(rows, dtype=torch.int64, device=dev),
-            rows_are_all=len(rows) == num_tokens,
-            block_tables=torch.tensor(padded, dtype=torch.int64, device=dev),
-            mask=mask,
-        )
 
     @staticmethod
     def _sample_rows(out: SchedulerOutput) -> tuple[list[int], list[ScheduledSequence]]:

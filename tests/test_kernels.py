@@ -1,0 +1,212 @@
+"""The pure-torch kernels against Hugging Face's formulas and a dense attention reference;
+kernel dispatch; tensor-parallel shards of the linear layers."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+from kernels import dispatch
+from kernels.attention import build_attention_metadata
+from kernels.rotary import rope_cos_sin_cache, rope_inv_freq
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_equals_hf(dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    x = torch.randn(7, 64).to(dtype)
+    hf = LlamaRMSNorm(64, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        hf.weight.copy_(torch.rand(64) + 0.5)
+        assert torch.equal(kernels.rms_norm(x, hf.weight, 1e-6), hf(x))
+        residual = torch.randn(7, 64).to(dtype)
+        normed, new_residual = kernels.fused_add_rms_norm(x, residual, hf.weight, 1e-6)
+        assert torch.equal(new_residual, x + residual)
+        assert torch.equal(normed, hf(x + residual))
+
+
+def test_silu_and_mul():
+    x = torch.randn(5, 2 * 24)
+    assert torch.equal(kernels.silu_and_mul(x), F.silu(x[:, :24]) * x[:, 24:])
+
+
+@pytest.mark.parametrize("scaling", [
+    None,
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
+])
+def test_rotary_equals_hf(scaling):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    head_dim, theta = 32, 500_000.0
+    extra = {"rope_scaling": dict(scaling)} if scaling else {}
+    config = LlamaConfig(hidden_size=128, num_attention_heads=4, head_dim=head_dim,
+                         rope_theta=theta, max_position_embeddings=512, **extra)
+    hf_rope = LlamaRotaryEmbedding(config)
+    inv_freq = rope_inv_freq(head_dim, theta, scaling)
+    assert torch.equal(inv_freq, hf_rope.inv_freq)
+    # llama3 scaling leaves high frequencies, divides low ones, and blends between
+    if scaling and scaling["rope_type"] == "llama3":
+        plain = rope_inv_freq(head_dim, theta)
+        assert inv_freq[0] == plain[0] and inv_freq[-1] == plain[-1] / 8.0
+
+    positions = torch.tensor([0, 1, 2, 17, 300, 511])
+    q, k = torch.randn(6, 4, head_dim), torch.randn(6, 2, head_dim)
+    hf_cos, hf_sin = hf_rope(q, positions[None])
+    q_ref, k_ref = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                        hf_cos, hf_sin)
+    cos, sin = rope_cos_sin_cache(inv_freq, 512)[positions].chunk(2, dim=-1)
+    q_out, k_out = kernels.apply_rotary(q, k, cos, sin)
+    assert torch.allclose(q_out, q_ref[0].transpose(0, 1), atol=1e-6)
+    assert torch.allclose(k_out, k_ref[0].transpose(0, 1), atol=1e-6)
+
+
+def _dense_attention(q, k, v, start_pos):
+    """Reference: q [n, H, D] at positions start_pos.., over k, v [start_pos + n, KVH, D]."""
+    n, num_heads, head_dim = q.shape
+    groups = num_heads // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / head_dim**0.5
+    allowed = torch.arange(k.shape[0])[None, :] <= torch.arange(start_pos, start_pos + n)[:, None]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, -1)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_paged_attention_mixed_step_equals_dense(block_size):
+    torch.manual_seed(0)
+    num_heads, num_kv_heads, head_dim, num_layers = 8, 2, 16, 3
+    num_blocks = 64
+    kv_cache = torch.zeros(num_blocks, 2, num_layers, block_size, num_kv_heads, head_dim)
+    layer = 1
+    k_cache, v_cache = kv_cache[:, 0, layer], kv_cache[:, 1, layer]
+    free = list(range(num_blocks))
+    random.Random(block_size).shuffle(free)
+    # (cached prefix length, new tokens): fresh prompts, chunks after a prefix, decodes
+    shapes = [(0, 1), (0, 9), (13, 1), (block_size, 1), (block_size - 1, 1), (20, 13),
+              (2 * block_size, block_size), (3, 2), (37, 1)]
+    spans, full_k, full_v = [], [], []
+    for start, n in shapes:
+        table = [free.pop() for _ in range(-(-(start + n) // block_size))]
+        keys = torch.randn(start + n, num_kv_heads, head_dim)
+        values = torch.randn(start + n, num_kv_heads, head_dim)
+        for pos in range(start):  # the cached prefix, written by earlier steps
+            k_cache[table[pos // block_size], pos % block_size] = keys[pos]
+            v_cache[table[pos // block_size], pos % block_size] = values[pos]
+        spans.append((start, n, table))
+        full_k.append(keys)
+        full_v.append(values)
+    meta = build_attention_metadata(kv_cache, spans)
+    q = torch.randn(sum(n for _, n in shapes), num_heads, head_dim)
+    k_new = torch.cat([k[s:] for k, (s, _) in zip(full_k, shapes)])
+    v_new = torch.cat([v[s:] for v, (s, _) in zip(full_v, shapes)])
+    kernels.store_kv(k_new, v_new, k_cache, v_cache, meta.slot_blocks, meta.slot_offsets)
+    out = kernels.paged_attention(q, k_new, v_new, k_cache, v_cache, meta)
+
+    assert out.shape == (q.shape[0], num_heads * head_dim)
+    row = 0
+    for (start, n), keys, values in zip(shapes, full_k, full_v):
+        ref = _dense_attention(q[row:row + n], keys, values, start)
+        assert torch.allclose(out[row:row + n], ref, atol=1e-5), (start, n)
+        row += n
+    # the other layers' slabs were not touched
+    assert kv_cache[:, :, 0].abs().sum() == 0 and kv_cache[:, :, 2].abs().sum() == 0
+
+
+def test_paged_attention_pure_decode_batch():
+    torch.manual_seed(1)
+    block_size, num_blocks = 8, 32
+    kv_cache = torch.randn(num_blocks, 2, 1, block_size, 2, 16)
+    k_cache, v_cache = kv_cache[:, 0, 0], kv_cache[:, 1, 0]
+    tables = [[5, 9, 2], [31], [0, 1, 3, 7, 8]]
+    lens = [20, 3, 33]
+    meta = build_attention_metadata(kv_cache, [(n - 1, 1, t) for n, t in zip(lens, tables)])
+    assert meta.decodes is not None and meta.decodes.rows_are_all and not meta.chunks
+    q = torch.randn(3, 4, 16)
+    out = kernels.paged_attention(q, None, None, k_cache, v_cache, meta)
+    for i, (table, n) in enumerate(zip(tables, lens)):
+        keys = k_cache[table].flatten(0, 1)[:n]
+        values = v_cache[table].flatten(0, 1)[:n]
+        ref = _dense_attention(q[i:i + 1], keys, values, n - 1)
+        assert torch.allclose(out[i:i + 1], ref, atol=1e-5)
+
+
+def test_dispatch_uses_a_registered_backend_then_the_reference():
+    from kernels.norms import rms_norm as reference
+
+    calls = []
+
+    def counting_rms_norm(x, weight, eps):
+        calls.append(x.shape)
+        return reference(x, weight, eps)
+
+    x, w = torch.randn(3, 8), torch.ones(8)
+    assert dispatch.get("rms_norm", "cpu") is reference
+    dispatch.register("rms_norm", "cpu", counting_rms_norm)
+    try:
+        kernels.rms_norm(x, w, 1e-6)
+        assert calls == [x.shape]
+    finally:
+        dispatch.unregister("rms_norm", "cpu")
+    kernels.rms_norm(x, w, 1e-6)
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="unknown kernel"):
+        dispatch.register("flash_attn", "cpu", counting_rms_norm)
+
+
+def test_tensor_parallel_shards_recombine_to_the_full_layer():
+    from workers.models.layers import (
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+    )
+
+    torch.manual_seed(2)
+    x = torch.randn(3, 32)
+    q_w, k_w, v_w = torch.randn(64, 32), torch.randn(32, 32), torch.randn(32, 32)
+    full = F.linear(x, torch.cat([q_w, k_w, v_w]))
+    parts = []
+    for rank in range(2):
+        qkv = QKVParallelLinear(32, 16, 4, 2, tp_size=2, tp_rank=rank)
+        for sid, w in zip("qkv", (q_w, k_w, v_w)):
+            qkv.weight.weight_loader(qkv.weight, w, sid)
+        parts.append(qkv(x).split([32, 16, 16], -1))
+    for i, size in enumerate((64, 32, 32)):
+        ref = full.split([64, 32, 32], -1)[i]
+        assert torch.equal(torch.cat([p[i] for p in parts], -1), ref), size
+
+    gate, up = torch.randn(48, 32), torch.randn(48, 32)
+    outs = []
+    for rank in range(2):
+        mlp = MergedColumnParallelLinear(32, [48, 48], tp_size=2, tp_rank=rank)
+        mlp.weight.weight_loader(mlp.weight, gate, 0)
+        mlp.weight.weight_loader(mlp.weight, up, 1)
+        outs.append(mlp(x).chunk(2, -1))
+    assert torch.equal(torch.cat([o[0] for o in outs], -1), F.linear(x, gate))
+    assert torch.equal(torch.cat([o[1] for o in outs], -1), F.linear(x, up))
+
+    down = torch.randn(32, 96)
+    h = torch.randn(3, 96)
+    partial = []
+    for rank in range(2):
+        row = RowParallelLinear(96, 32, tp_size=2, tp_rank=rank)
+        row.weight.weight_loader(row.weight, down)
+        partial.append(F.linear(h[:, rank * 48:(rank + 1) * 48], row.weight))
+    assert torch.allclose(partial[0] + partial[1], F.linear(h, down), atol=1e-5)
+
+    table = torch.randn(10, 4)
+    emb = VocabParallelEmbedding(10, 4, tp_size=2, tp_rank=1)
+    emb.weight.weight_loader(emb.weight, table)
+    assert torch.equal(emb.weight, table[5:])
+    with pytest.raises(ValueError, match="expected shape"):
+        emb.weight.weight_loader(emb.weight, torch.randn(12, 4))
