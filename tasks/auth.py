@@ -9,7 +9,7 @@ import uuid
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from tasks.db import utcnow
+from tasks.db import update_count, utcnow
 from tasks.models import ApiKey
 
 KEY_PREFIX = "llmq-"
@@ -41,12 +41,9 @@ def find_api_key(session: Session, key: str) -> ApiKey | None:
 def revoke_api_key(session_factory: sessionmaker[Session], key_id: uuid.UUID) -> bool:
     """Revoke a key by id; False when there is no such active key."""
     with session_factory.begin() as session:
-        result = session.execute(
-            update(ApiKey)
-            .where(ApiKey.id == key_id, ApiKey.revoked_at.is_(None))
-            .values(revoked_at=utcnow())
-        )
-        return bool(result.rowcount)
+        return bool(update_count(session, update(ApiKey)
+                                 .where(ApiKey.id == key_id, ApiKey.revoked_at.is_(None))
+                                 .values(revoked_at=utcnow())))
 
 
 def list_api_keys(session_factory: sessionmaker[Session]) -> list[ApiKey]:

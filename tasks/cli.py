@@ -290,10 +290,11 @@ def _print_events(events: Iterator[tuple[str, dict[str, Any]]],
     return 1
 
 
-def iter_sse(lines: Iterator[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+def iter_sse(lines: Iterator[str | bytes]) -> Iterator[tuple[str, dict[str, Any]]]:
     """(event type, data) pairs of a server-sent event stream; comments are skipped."""
     event_type, data = "message", ""
-    for line in lines:
+    for raw in lines:
+        line = raw.decode() if isinstance(raw, bytes) else raw
         if not line:
             if data:
                 yield event_type, json.loads(data)

@@ -8,12 +8,12 @@ runs at import time.
 from __future__ import annotations
 
 import logging
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from importlib import resources
-from typing import Any
+from typing import Any, cast
 
 import sqlalchemy
-from sqlalchemy import event
+from sqlalchemy import CursorResult, event
 from sqlalchemy.orm import Session, sessionmaker
 
 logger = logging.getLogger(__name__)
@@ -24,7 +24,7 @@ SQLITE_BUSY_TIMEOUT_MS = 10_000
 
 def utcnow() -> datetime:
     """The current time, timezone-aware UTC (every timestamp column is tz-aware)."""
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 def create_db_engine(url: str, **kwargs: Any) -> sqlalchemy.Engine:
@@ -50,7 +50,7 @@ def create_db_engine(url: str, **kwargs: Any) -> sqlalchemy.Engine:
             cursor.close()
 
         return engine
-    if url.startswith("postgresql://") or url.startswith("postgres://"):
+    if url.startswith(("postgresql://", "postgres://")):
         # NOTE: psycopg 3 is the driver we ship; a bare postgresql:// would pick psycopg2.
         url = "postgresql+psycopg://" + url.split("://", 1)[1]
     kwargs.setdefault("pool_size", 10)
@@ -61,6 +61,12 @@ def create_db_engine(url: str, **kwargs: Any) -> sqlalchemy.Engine:
     return sqlalchemy.create_engine(
         url, pool_pre_ping=True, connect_args=connect_args, **kwargs
     )
+
+
+def update_count(session: Session, statement: Any) -> int:
+    """Run an UPDATE/DELETE and return how many rows it matched (conditional updates)."""
+    result = cast("CursorResult[Any]", session.execute(statement))
+    return int(result.rowcount)
 
 
 def make_sessionmaker(engine: sqlalchemy.Engine) -> sessionmaker[Session]:

@@ -19,7 +19,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from tasks.celery_app import send_generate
-from tasks.db import create_db_engine, make_sessionmaker, utcnow
+from tasks.db import create_db_engine, make_sessionmaker, update_count, utcnow
 from tasks.models import Job, JobStatus
 from tasks.protocol import EXPIRE_STREAMS_TASK, RECLAIM_TASK, EventType, JobEvent
 from tasks.redis_client import make_redis
@@ -66,7 +66,7 @@ def reclaim_expired_leases(
                     "status": JobStatus.FAILED.value, "finish_reason": "error", "error": error,
                     "finished_at": now, "lease_expires_at": None,
                 }
-                if session.execute(still_expired.values(**values)).rowcount:
+                if update_count(session, still_expired.values(**values)):
                     failed.append((str(job_uuid), error))
                     logger.warning("job %s: lease of %s expired; %s", job_uuid, worker, error)
                 continue
@@ -74,7 +74,7 @@ def reclaim_expired_leases(
                 "status": JobStatus.QUEUED.value, "worker": None, "lease_expires_at": None,
                 "output_text": None, "completion_tokens": None, "first_token_at": None,
             }
-            if session.execute(still_expired.values(**values)).rowcount:
+            if update_count(session, still_expired.values(**values)):
                 requeued.append((str(job_uuid), model, attempts + 1))
                 logger.warning("job %s: lease of %s expired; requeued for attempt %d",
                                job_uuid, worker, attempts + 1)
@@ -89,7 +89,7 @@ def reclaim_expired_leases(
     for job_id, model, _attempt in requeued:
         try:
             send_generate(celery_app, settings, job_id, model)
-        except Exception:  # noqa: BLE001 - one failed send must not strand the others
+        except Exception:
             logger.exception("job %s: requeued but the generate message could not be sent",
                              job_id)
     return len(requeued) + len(failed)

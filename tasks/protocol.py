@@ -55,7 +55,7 @@ class JobEvent:
         return {"type": self.type.value, "data": json.dumps(payload, separators=(",", ":"))}
 
     @classmethod
-    def from_fields(cls, fields: dict[str, str] | dict[bytes, bytes]) -> "JobEvent":
+    def from_fields(cls, fields: dict[str, str] | dict[bytes, bytes]) -> JobEvent:
         decoded = {
             (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
             for k, v in fields.items()

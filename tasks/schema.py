@@ -131,7 +131,7 @@ def _parse_prompt(body: dict[str, Any]) -> tuple[str | None, list[int] | None,
             raise SchemaError(f"{param} must be an object with role and content", param)
         extra = set(message) - {"role", "content", "name"}
         if extra:
-            raise SchemaError(f"{param} has unknown field {sorted(extra)[0]!r}", param)
+            raise SchemaError(f"{param} has unknown field {min(extra)!r}", param)
         role, content = message.get("role"), message.get("content")
         if role not in MESSAGE_ROLES:
             raise SchemaError(f"{param}.role must be one of {', '.join(MESSAGE_ROLES)}",

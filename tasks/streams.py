@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import redis
 from redis import Redis
@@ -87,7 +88,8 @@ class EventSubscriber:
     def read_events(self, job_id: str, after_id: str | None = None) -> list[tuple[str, JobEvent]]:
         """The job's stored events after `after_id` (all when None), oldest first."""
         start = "-" if after_id is None else "(" + after_id
-        entries = self._redis.xrange(events_key(self._settings, job_id), min=start, max="+")
+        entries: list[Any] = self._redis.xrange(  # type: ignore[assignment]
+            events_key(self._settings, job_id), min=start, max="+")
         return [(_text(entry_id), JobEvent.from_fields(fields)) for entry_id, fields in entries]
 
     def iter_events(

@@ -12,8 +12,14 @@ from tasks.celery_app import create_celery
 from tasks.db import utcnow
 from tasks.maintenance import expire_streams, reclaim_expired_leases, register_maintenance_tasks
 from tasks.models import Job, JobStatus
-from tasks.protocol import EXPIRE_STREAMS_TASK, GENERATE_TASK, RECLAIM_TASK, EventType, JobEvent
-from tasks.protocol import events_key
+from tasks.protocol import (
+    EXPIRE_STREAMS_TASK,
+    GENERATE_TASK,
+    RECLAIM_TASK,
+    EventType,
+    JobEvent,
+    events_key,
+)
 from tasks.streams import EventPublisher, EventSubscriber
 
 
@@ -82,7 +88,7 @@ def test_past_max_attempts_fails_with_a_terminal_error_event(
     assert row.status == JobStatus.FAILED.value
     assert row.error == "worker lost; gave up after 3 attempts"
     assert row.finished_at is not None and row.finish_reason == "error"
-    (entry_id, event), = EventSubscriber(redis_client, settings).read_events(job_id)
+    ((_, event),) = EventSubscriber(redis_client, settings).read_events(job_id)
     assert event.type is EventType.ERROR and "gave up after 3 attempts" in event.error
     assert not [m for m in _queued_messages(redis_client, settings)
                 if m["headers"]["argsrepr"] == repr([job_id])]

@@ -30,7 +30,7 @@ class APIError(Exception):
     """An error answered to the client as JSON with `status`."""
 
     def __init__(self, status: int, code: str, message: str, param: str | None = None,
-                 type: str | None = None) -> None:  # noqa: A002 - the field is called type
+                 type: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
@@ -75,17 +75,18 @@ def register_error_handlers(app: Flask) -> None:
     def _http_error(error: HTTPException) -> Response:
         status = error.code or 500
         message = error.description or error.name
+        valid_methods: list[str] = list(getattr(error, "valid_methods", None) or [])
         if status == 413:
             limit = app.config.get("MAX_CONTENT_LENGTH")
             message = f"the request body is larger than the limit of {limit} bytes"
         elif status == 404:
             message = "no such route; the API lives under /v1 (see /v1/jobs, /v1/models)"
         elif status == 405:
-            allowed = ", ".join(sorted(getattr(error, "valid_methods", None) or []))
+            allowed = ", ".join(sorted(valid_methods))
             message = f"method not allowed on this route; allowed: {allowed or 'none'}"
         response = APIError(status, _HTTP_CODES.get(status, "http_error"), message).response()
-        if status == 405 and getattr(error, "valid_methods", None):
-            response.headers["Allow"] = ", ".join(error.valid_methods)
+        if status == 405 and valid_methods:
+            response.headers["Allow"] = ", ".join(valid_methods)
         return response
 
     @app.errorhandler(sqlalchemy.exc.OperationalError)

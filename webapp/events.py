@@ -21,10 +21,10 @@ from flask import Blueprint, Response, request, stream_with_context
 from tasks.models import Job, JobStatus
 from tasks.protocol import EventType, JobEvent
 from tasks.streams import EventSubscriber, parse_stream_id
+from webapp.errors import APIError
 from webapp.jobs import load_job
 from webapp.serialize import is_terminal
 from webapp.services import services
-from webapp.errors import APIError
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from flask import Blueprint, Response, jsonify, request
 from sqlalchemy import delete, or_, select, update
 
 from tasks.celery_app import send_generate
-from tasks.db import utcnow
+from tasks.db import update_count, utcnow
 from tasks.model_registry import ModelLoadError, ServedModel, UnknownModelError
 from tasks.models import Job, JobStatus
 from tasks.protocol import EventType, JobEvent, cancel_channel, cancel_flag_key
@@ -151,12 +151,12 @@ def cancel_job(job_id: str) -> tuple[Response, int]:
     if job.status == JobStatus.QUEUED.value:
         now = utcnow()
         with svc.session_factory.begin() as session:
-            cancelled = session.execute(
+            cancelled = update_count(session, (
                 update(Job)
                 .where(Job.id == job.id, Job.status == JobStatus.QUEUED.value)
                 .values(status=JobStatus.CANCELLED.value, finish_reason="cancelled",
                         finished_at=now)
-            ).rowcount
+            ))
         if cancelled:
             usage = {"prompt_tokens": job.prompt_tokens or 0, "completion_tokens": 0,
                      "total_tokens": job.prompt_tokens or 0, "cached_tokens": 0}

@@ -36,7 +36,7 @@ class Services:
     subscriber: EventSubscriber
 
     @classmethod
-    def build(cls, settings: Settings) -> "Services":
+    def build(cls, settings: Settings) -> Services:
         engine = create_db_engine(settings.database_url)
         redis = make_redis(settings.redis_url)
         return cls(
