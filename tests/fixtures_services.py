@@ -261,15 +261,17 @@ def start_web() -> Iterator[Callable[[Settings], str]]:
     servers = []
 
     def start(settings: Settings) -> str:
-        server = make_server("127.0.0.1", 0, create_app(settings), threaded=True)
+        app = create_app(settings)
+        server = make_server("127.0.0.1", 0, app, threaded=True)
         thread = threading.Thread(target=server.serve_forever, name="llmq-test-web",
                                   daemon=True)
         thread.start()
-        servers.append((server, thread))
+        servers.append((server, thread, app))
         return f"http://127.0.0.1:{server.server_port}"
 
     yield start
-    for server, thread in servers:
+    for server, thread, app in servers:
         server.shutdown()
         thread.join(10)
         server.server_close()
+        app.extensions["llmq"].close()  # pooled Postgres and Redis connections

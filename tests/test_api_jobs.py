@@ -390,7 +390,8 @@ def _closed_port_url(scheme: str) -> str:
     return f"{scheme}://127.0.0.1:{free_port()}"
 
 
-def test_503_when_redis_or_postgres_is_down(start_web, api_settings, session_factory):
+def test_503_when_redis_or_postgres_is_down(start_web, api, api_settings, session_factory):
+    job_id = _create(api)
     before = _count_jobs(session_factory)
     no_redis = start_web(api_settings.with_overrides(redis_url=_closed_port_url("redis") + "/0"))
     body = {"model": "tiny", "prompt": "hi"}
@@ -400,6 +401,11 @@ def test_503_when_redis_or_postgres_is_down(start_web, api_settings, session_fac
     assert time.monotonic() - started < 20
     assert _count_jobs(session_factory) == before  # the row was taken back
     _assert_error(requests.get(f"{no_redis}/v1/models", timeout=30), 503, "redis_unavailable")
+    _assert_error(requests.get(f"{no_redis}/v1/jobs/{job_id}/events", timeout=30), 503,
+                  "redis_unavailable")
+    _set_status(session_factory, job_id, JobStatus.RUNNING)
+    _assert_error(requests.post(f"{no_redis}/v1/jobs/{job_id}/cancel", timeout=30), 503,
+                  "redis_unavailable")
     _assert_error(requests.get(f"{no_redis}/health/ready", timeout=30), 503)
     assert requests.get(f"{no_redis}/health", timeout=30).status_code == 200
 
