@@ -438,3 +438,20 @@ def test_cli_keys_create_prints_a_working_key_once(start_web, api_settings, sess
     api = start_web(api_settings.with_overrides(auth_enabled=True))
     assert requests.get(f"{api}/v1/jobs", headers={"Authorization": f"Bearer {key}"},
                         timeout=30).status_code == 200
+
+
+def test_sse_ends_from_the_row_when_the_terminal_event_is_missing(api, session_factory):
+    # finished, stream gone (expired): one terminal event built from the row
+    finished = _create(api)
+    _set_status(session_factory, finished, JobStatus.SUCCEEDED)
+    events = [i for i in _read_sse(f"{api}/v1/jobs/{finished}/events") if "event" in i]
+    assert [e["event"] for e in events] == ["done"] and "id" not in events[0]
+
+    # running, then failed by someone whose event never arrived: the stream still ends
+    running = _create(api)
+    _set_status(session_factory, running, JobStatus.RUNNING)
+    threading.Timer(0.5, _set_status, (session_factory, running, JobStatus.FAILED)).start()
+    started = time.monotonic()
+    events = [i for i in _read_sse(f"{api}/v1/jobs/{running}/events") if "event" in i]
+    assert [e["event"] for e in events] == ["error"]
+    assert time.monotonic() - started < 10
