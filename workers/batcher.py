@@ -85,9 +85,10 @@ class Batcher:
         self.stats_interval = stats_interval
         self._cv = threading.Condition()
         self._inbox: list[AdmittedJob] = []
-        self._cancels: set[str] = set()
-        # cancels for jobs not seen yet (the cancel raced the admission): job id -> time
-        self._early_cancels: dict[str, float] = {}
+        self._cancels: set[str] = set()  # new cancel requests, for the next loop
+        # every recent cancel request: job id -> time.monotonic(). Catches a job whose
+        # cancel came before the job reached the engine (waiting in admit, or in transit).
+        self._cancelled_at: dict[str, float] = {}
         self._active_samples = 0
         self._admitting = True
         self._stopping = False
@@ -120,10 +121,11 @@ class Batcher:
         need = max(1, job.params.n)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
-            # NOTE: a job bigger than the whole capacity still runs, alone.
+            # NOTE: a job bigger than the whole capacity still runs, alone; a job cancelled
+            # while it waits goes through at once (the batcher ends it without running it).
             while self._admitting and self._active_samples > 0 and (
                 self._active_samples + need > self.capacity
-            ):
+            ) and job.job_id not in self._cancelled_at:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return False
@@ -140,6 +142,7 @@ class Batcher:
         """Ask to cancel `job_id` before the next step (ignored if it is not ours)."""
         with self._cv:
             self._cancels.add(job_id)
+            self._cancelled_at[job_id] = time.monotonic()
             self._cv.notify_all()
 
     def load(self) -> BatcherLoad:
@@ -189,6 +192,8 @@ class Batcher:
                         self._refresh_stats_locked()
                 inbox, self._inbox = self._inbox, []
                 cancels, self._cancels = self._cancels, set()
+                self._prune_cancels()
+                cancelled_inbox = {j.job_id for j in inbox if j.job_id in self._cancelled_at}
                 stopping, abort_all = self._stopping, self._abort_all
             if abort_all:
                 self._abort_everything(inbox)
@@ -197,9 +202,11 @@ class Batcher:
             # NOTE: cancels first, so a cancel that arrives with its job's admission (the
             # early-cancel memory) still catches it in _add_jobs.
             self._apply_cancels(cancels, events)
-            self._add_jobs(inbox, events)
+            self._add_jobs(inbox, cancelled_inbox, events)
             if self.engine.has_unfinished_requests():
                 self._step(events)
+            elif self._jobs:
+                self._fail_orphans(events)
             self._emit(events)
             self._send_progress()
             self._refresh_stats()
@@ -208,17 +215,18 @@ class Batcher:
         self._publisher.stop()
         logger.info("batcher stopped after %d steps", self._num_steps)
 
+    def _prune_cancels(self) -> None:
+        """Forget cancel requests older than EARLY_CANCEL_SECONDS (caller holds _cv)."""
+        if len(self._cancelled_at) < 1024:
+            return
+        horizon = time.monotonic() - EARLY_CANCEL_SECONDS
+        self._cancelled_at = {k: t for k, t in self._cancelled_at.items() if t > horizon}
+
     def _apply_cancels(self, cancels: set[str], events: list[tuple[str, JobEvent]]) -> None:
-        now = time.monotonic()
-        for job_id, at in list(self._early_cancels.items()):
-            if now - at > EARLY_CANCEL_SECONDS:
-                del self._early_cancels[job_id]
         for job_id in cancels:
             state = self._jobs.get(job_id)
             if state is None:
-                # not ours, or still on its way to admit(): remember it for a while
-                self._early_cancels[job_id] = now
-                continue
+                continue  # not ours, or not here yet: _cancelled_at catches it on arrival
             try:
                 deltas = self.engine.abort_request(job_id)
             except Exception as exc:  # noqa: BLE001
@@ -231,11 +239,12 @@ class Batcher:
                 state.cancel_all()
                 self._finish(state, events)
 
-    def _add_jobs(self, inbox: list[AdmittedJob], events: list[tuple[str, JobEvent]]) -> None:
+    def _add_jobs(self, inbox: list[AdmittedJob], cancelled: set[str],
+                  events: list[tuple[str, JobEvent]]) -> None:
         for job in inbox:
             state = JobState(job)
             self._jobs[job.job_id] = state
-            if self._early_cancels.pop(job.job_id, None) is not None:
+            if job.job_id in cancelled:
                 logger.info("job %s cancelled before it started", job.job_id)
                 state.cancel_all()
                 self._finish(state, events)
@@ -270,6 +279,13 @@ class Batcher:
             return
         self._num_steps += 1
         self._handle_deltas(deltas, events)
+
+    def _fail_orphans(self, events: list[tuple[str, JobEvent]]) -> None:
+        """Jobs the engine holds no request for: end them rather than wait forever."""
+        for state in list(self._jobs.values()):
+            logger.error("job %s: the engine dropped it without finishing it", state.job.job_id)
+            self._fail(state, "internal error: the engine lost the request; resubmit the job",
+                       events)
 
     def _handle_deltas(self, deltas: list[CompletionDelta],
                        events: list[tuple[str, JobEvent]]) -> None:

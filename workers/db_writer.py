@@ -148,40 +148,47 @@ class DbWriter:
     # -- the thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
+        retry: list[Any] = []  # a batch Postgres refused, written again before anything new
+        backoff = 0.0
         while not self._stop.is_set():
             wait = max(0.0, self._next_renewal - time.monotonic())
+            if retry:
+                wait = min(wait, backoff)
             try:
                 first = self._queue.get(timeout=wait)
             except queue.Empty:
                 first = None
-            batch = [] if first is None else [first]
-            while len(batch) < self.max_batch:
+            batch = retry + ([] if first is None else [first])
+            while len(batch) < self.max_batch + len(retry):
                 try:
                     batch.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            self._write(batch)
+            retry = self._write(batch)
+            backoff = min(5.0, max(0.2, backoff * 2)) if retry else 0.0
             if time.monotonic() >= self._next_renewal:
                 self._renew_leases()
                 self._next_renewal = time.monotonic() + self.settings.lease_renew_seconds
 
-    def _write(self, batch: list[Any]) -> None:
-        markers = [item for item in batch if isinstance(item, threading.Event)]
+    def _write(self, batch: list[Any]) -> list[Any]:
+        """Write `batch`; returns what must be retried (all of it when Postgres failed).
+
+        NOTE: retrying forever is safe: every write is conditional on the job still being
+        ours, so after a long outage (our leases expired, the jobs were reclaimed and run
+        elsewhere) the late writes match no row and are dropped.
+        """
         items = [item for item in batch if not isinstance(item, threading.Event)]
         if items:
             try:
                 self._write_items(items)
             except Exception:  # noqa: BLE001 - a failed flush must not kill the writer
                 self.num_failed_flushes += 1
-                logger.exception("writing %d job updates failed; retrying once", len(items))
-                try:
-                    time.sleep(0.5)
-                    self._write_items(items)
-                except Exception:  # noqa: BLE001
-                    logger.exception("dropping %d job updates after a second failure; "
-                                     "their leases will expire and be reclaimed", len(items))
-        for marker in markers:
-            marker.set()
+                logger.exception("writing %d job updates failed; will retry", len(items))
+                return batch  # flush markers wait for their items
+        for marker in batch:
+            if isinstance(marker, threading.Event):
+                marker.set()
+        return []
 
     def _write_items(self, items: list[Any]) -> None:
         progress = [i for i in items if isinstance(i, JobProgress)]
@@ -233,11 +240,36 @@ class DbWriter:
         events += [(q.job_id, JobEvent(EventType.RESTART, attempt=q.next_attempt))
                    for q in requeued]
         if events:
-            self.publish(events)
+            try:
+                self.publish(events)
+            except Exception:  # noqa: BLE001 - the rows are right; the web ends streams
+                logger.exception("publishing %d terminal/restart events failed", len(events))
         for q in requeued:
-            self.send_generate(q.job_id)
+            try:
+                self.send_generate(q.job_id)
+            except Exception:  # noqa: BLE001
+                logger.exception("job %s: generate message not sent; leaving it to lease "
+                                 "reclaim", q.job_id)
+                self._hand_to_reclaim(q.job_id)
+                continue
             logger.info("job %s requeued by %s (next attempt %d)",
                         q.job_id, self.group_id, q.next_attempt)
+
+    def _hand_to_reclaim(self, job_id: str) -> None:
+        """A queued row with no message would wait forever (reclaim only sees running
+        rows): make it a running row with an expired lease, which reclaim requeues."""
+        try:
+            with self.session_factory.begin() as session:
+                session.execute(
+                    update(Job)
+                    .where(Job.id == uuid.UUID(job_id), Job.status == JobStatus.QUEUED.value,
+                           Job.worker.is_(None))
+                    .values(status=JobStatus.RUNNING.value, worker=self.group_id,
+                            lease_expires_at=utcnow())
+                )
+        except Exception:  # noqa: BLE001
+            logger.exception("job %s is queued without a generate message; resubmit it",
+                             job_id)
 
     def _mine(self, job_id: str) -> Any:
         return update(Job).where(

@@ -18,6 +18,7 @@ from enum import Enum
 from typing import Any
 
 from sqlalchemy import update
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from tasks.db import utcnow
@@ -37,6 +38,10 @@ class GenerateOutcome(str, Enum):
     FAILED = "failed"  # bad request: the job is failed with a reason
     CANCELLED = "cancelled"  # its cancel flag was set before it started
     REQUEUED = "requeued"  # this group is shutting down: given back to the queue
+
+
+class AdmissionRetry(Exception):
+    """Postgres was unreachable before the claim: run this message again later."""
 
 
 class JobAdmission:
@@ -97,7 +102,12 @@ class JobAdmission:
             logger.error("generate called with a malformed job id %r; ignored", job_id)
             return GenerateOutcome.SKIPPED
         job_id = str(job_uuid)
-        row = self._claim(job_uuid)
+        try:
+            row = self._claim(job_uuid)
+        except SQLAlchemyError as exc:
+            # NOTE: nothing changed yet; the job is still queued and needs this message.
+            logger.warning("job %s: claim failed (%s); retrying", job_id, exc)
+            raise AdmissionRetry(str(exc)) from exc
         if row is None:
             logger.info("job %s is not queued any more; skipped", job_id)
             return GenerateOutcome.SKIPPED

@@ -33,6 +33,7 @@ from tasks.settings import Settings
 
 logger = logging.getLogger(__name__)
 
+CLAIM_RETRY_SECONDS = 2.0  # a claim that failed on Postgres is retried this much later
 DEFAULT_CONCURRENCY = 4  # task threads: enough to keep admission ahead of the engine
 
 
@@ -170,9 +171,14 @@ def make_group_step(runtime: GroupRuntime) -> type[bootsteps.StartStopStep]:
 def build_app(settings: Settings, runtime: GroupRuntime) -> Celery:
     app = runtime.app
 
-    @app.task(name=GENERATE_TASK, ignore_result=True)
-    def generate(job_id: str) -> str:
-        return runtime.generate(job_id)
+    from workers.job_task import AdmissionRetry
+
+    @app.task(name=GENERATE_TASK, bind=True, ignore_result=True, max_retries=None)
+    def generate(task: Any, job_id: str) -> str:
+        try:
+            return runtime.generate(job_id)
+        except AdmissionRetry as exc:
+            raise task.retry(countdown=CLAIM_RETRY_SECONDS, exc=exc) from None
 
     app.steps["worker"].add(make_group_step(runtime))
     return app
