@@ -149,6 +149,19 @@ def test_filters_never_sample_outside_their_set(
         assert probs[x > value].sum() < top_p + 1e-5
 
 
+def test_top_k_keeps_exactly_k() -> None:
+    logits = torch.zeros(512, VOCAB)
+    logits[:, :4] = torch.tensor([3.0, 2.9, 2.8, 2.7])  # near-equal: all four likely
+    for top_p in (1.0, 0.999):  # the threshold path and the sorted-candidates path
+        # Rows with a larger k in the same batch widen the candidates of the others.
+        params = [SamplingParams(temperature=1.0, top_k=k, top_p=top_p) for k in (2, 3, 0)]
+        seqs = [make_seq(params[i % 3]) for i in range(512)]
+        token_ids, _ = sample(logits, seqs)
+        assert set(token_ids[0::3]) == {0, 1}
+        assert set(token_ids[1::3]) == {0, 1, 2}
+        assert len(set(token_ids[2::3])) > 3
+
+
 def test_top_k_one_and_min_p_one_are_greedy() -> None:
     logits = random_logits(32, 7)
     for params in (SamplingParams(top_k=1), SamplingParams(min_p=1.0), SamplingParams(top_p=1e-6)):
@@ -217,7 +230,7 @@ def test_min_tokens_masks_eos_and_stop_ids() -> None:
     logits[:, 30] = 8.0
     params = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[stop])
     seqs = [
-        make_seq(params, output=[1]),  # short: eos and stop masked
+        make_seq(params, output=[1, 2]),  # one short: eos and stop masked
         make_seq(params, output=[1, 2, 3]),  # reached min_tokens: eos allowed
         make_seq(SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[stop],
                                 ignore_eos=True), output=[]),  # eos never stops it: not masked
