@@ -299,5 +299,5 @@ def check_overhead(logits: torch.Tensor) -> None:
     }
     for name, (params, budget) in cases.items():
         seqs = [make_seq(params, output=[1, 2, 3]) for _ in range(64)]
-        elapsed = best_time(lambda: sample(logits, seqs))
+        elapsed = best_time(lambda seqs=seqs: sample(logits, seqs))
         assert elapsed < budget, f"{name}: {elapsed * 1e3:.3f} ms per batch of 64"
