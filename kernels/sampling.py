@@ -24,6 +24,8 @@ the same whatever sampling settings the client chose.
 from __future__ import annotations
 
 import logging
+from array import array
+from itertools import chain
 
 import torch
 
@@ -77,7 +79,10 @@ def _flat_keys(rows: list[int], token_lists: list[list[int]], vocab_size: int,
     """`row * vocab + token` for every token of every list: indices into the flattened
     logits, so penalties cost O(tokens), never a [rows, vocab] temporary."""
     lengths = [len(t) for t in token_lists]
-    flat_ids = torch.tensor([t for ids in token_lists for t in ids], dtype=torch.long)
+    if sum(lengths) == 0:
+        return torch.empty(0, dtype=torch.long, device=device)
+    # array + frombuffer: half the cost of torch.tensor over a Python list of ints.
+    flat_ids = torch.frombuffer(array("q", chain.from_iterable(token_lists)), dtype=torch.long)
     row_ids = torch.repeat_interleave(torch.tensor(rows), torch.tensor(lengths))
     return (row_ids * vocab_size + flat_ids).to(device)
 
