@@ -15,6 +15,9 @@ a seeded sequence draws at a given step depends only on its own logits, never on
 companions, its row, or preemption. Unseeded rows use torch's global generator. One
 uniform per row (rather than Gumbel / exponential noise over the whole vocabulary) keeps
 the random-number cost independent of the vocabulary size.
+NOTE: every step is computed row by row (softmax, prefix sums over candidates sorted best
+first), so a row's numbers do not depend on the batch; on one device type the draw is
+bit-for-bit the same. Across device types the logits themselves differ.
 
 Logprobs (when `params.logprobs` is not None) come from the log-softmax of the model's raw
 logits, before penalties, masking and temperature: they describe what the model predicted,

@@ -98,6 +98,11 @@ def test_seeded_sampling_reproducible_alone_and_in_batches() -> None:
     assert run_steps(params, companions, 0, 40) == alone
     assert run_steps(params, companions, 2, 40) == alone
     assert run_steps(params, companions[:2], 2, 40) == alone
+    # With a top-k, wider companions (k=50) change the candidates the batch works on.
+    params_k = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, min_p=0.01, seed=77)
+    alone_k = run_steps(params_k, [], 0, 30)
+    wide = [SamplingParams(temperature=1.0, top_k=50), SamplingParams(temperature=0.0)]
+    assert run_steps(params_k, wide, 1, 30) == alone_k
     # A different seed draws a different stream (40 draws from a flat-ish distribution).
     other = SamplingParams(temperature=1.0, top_p=0.95, seed=1235, max_tokens=64)
     assert run_steps(other, [], 0, 40) != alone
