@@ -22,54 +22,20 @@ import logging
 import queue
 import threading
 import time
-import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import update
+from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from tasks.db import utcnow
-from tasks.models import Job, JobStatus
 from tasks.protocol import EventType, JobEvent
+from workers.job_rows import JobProgress, JobRequeue, JobResult, JobRows, unstorable
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(slots=True)
-class JobResult:
-    """The terminal record of one job, written to its row before `event` is published."""
-
-    job_id: str
-    status: JobStatus  # succeeded | failed | cancelled
-    finish_reason: str | None
-    error: str | None
-    output: list[dict[str, Any]]  # per sample: {"index", "text", "finish_reason", "token_ids"}
-    output_text: str  # sample 0
-    prompt_tokens: int
-    completion_tokens: int  # summed over samples
-    cached_tokens: int
-    event: JobEvent  # the terminal stream event
-    first_token_at: datetime | None = None
-    finished_at: datetime = field(default_factory=utcnow)
-
-
-@dataclass(slots=True)
-class JobProgress:
-    """Partial output of a running job, so polling shows it before the job ends."""
-
-    job_id: str
-    output_text: str  # sample 0 so far
-    completion_tokens: int
-    first_token_at: datetime | None = None
-
-
-@dataclass(slots=True)
-class _Requeue:
-    job_id: str
-    next_attempt: int
+__all__ = ["DbWriter", "JobProgress", "JobResult"]
 
 
 class DbWriter:
@@ -94,8 +60,9 @@ class DbWriter:
         self.publish = publish
         self.send_generate = send_generate
         self.group_id = group_id
+        self.rows = JobRows(session_factory, group_id)
         self.max_batch = max_batch
-        self._queue: queue.Queue[JobResult | JobProgress | _Requeue | threading.Event] = (
+        self._queue: queue.Queue[JobResult | JobProgress | JobRequeue | threading.Event] = (
             queue.Queue()
         )
         self._owned: set[str] = set()  # jobs whose lease this group renews
@@ -130,7 +97,7 @@ class DbWriter:
 
     def requeue(self, job_id: str, next_attempt: int) -> None:
         """Give a claimed job back: row to queued, a `restart` event, a new generate message."""
-        self._queue.put(_Requeue(job_id, next_attempt))
+        self._queue.put(JobRequeue(job_id, next_attempt))
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Block until everything queued before this call is written. False on timeout."""
@@ -171,71 +138,59 @@ class DbWriter:
                 self._next_renewal = time.monotonic() + self.settings.lease_renew_seconds
 
     def _write(self, batch: list[Any]) -> list[Any]:
-        """Write `batch`; returns what must be retried (all of it when Postgres failed).
+        """Write `batch`; returns what must be retried (all of it when Postgres is down).
 
-        NOTE: retrying forever is safe: every write is conditional on the job still being
-        ours, so after a long outage (our leases expired, the jobs were reclaimed and run
-        elsewhere) the late writes match no row and are dropped.
+        NOTE: retrying an outage forever is safe: every write is conditional on the job
+        still being ours, so after a long outage (leases expired, the jobs reclaimed and
+        run elsewhere) the late writes match no row. A batch Postgres REJECTS (bad data,
+        not an outage) is written item by item instead, so one bad row never blocks the
+        others.
         """
         items = [item for item in batch if not isinstance(item, threading.Event)]
         if items:
             try:
-                self._write_items(items)
-            except Exception:  # noqa: BLE001 - a failed flush must not kill the writer
+                self._store(items)
+            except Exception as exc:  # noqa: BLE001 - a failed flush must not kill the writer
                 self.num_failed_flushes += 1
-                logger.exception("writing %d job updates failed; will retry", len(items))
-                return batch  # flush markers wait for their items
+                if _is_outage(exc):
+                    logger.warning("Postgres unavailable (%s); retrying %d job updates",
+                                   exc, len(items))
+                    return batch  # flush markers wait for their items
+                logger.exception("Postgres rejected a batch of %d job updates; writing them "
+                                 "one by one", len(items))
+                for item in items:
+                    self._store_alone(item)
         for marker in batch:
             if isinstance(marker, threading.Event):
                 marker.set()
         return []
 
-    def _write_items(self, items: list[Any]) -> None:
-        progress = [i for i in items if isinstance(i, JobProgress)]
-        results = [i for i in items if isinstance(i, JobResult)]
-        requeues = [i for i in items if isinstance(i, _Requeue)]
-        finished = {r.job_id for r in results} | {r.job_id for r in requeues}
-        written: list[JobResult] = []
-        requeued: list[_Requeue] = []
-        with self.session_factory.begin() as session:
-            for p in progress:
-                if p.job_id in finished:
-                    continue  # the terminal write of the same batch carries more
-                values: dict[str, Any] = {
-                    "output_text": p.output_text,
-                    "completion_tokens": p.completion_tokens,
-                }
-                if p.first_token_at is not None:
-                    values["first_token_at"] = p.first_token_at
-                session.execute(self._mine(p.job_id).values(**values))
-            for r in results:
-                values = {
-                    "status": r.status.value,
-                    "finish_reason": r.finish_reason,
-                    "error": r.error,
-                    "output": r.output,
-                    "output_text": r.output_text,
-                    "prompt_tokens": r.prompt_tokens,
-                    "completion_tokens": r.completion_tokens,
-                    "cached_tokens": r.cached_tokens,
-                    "finished_at": r.finished_at,
-                    "lease_expires_at": None,
-                }
-                if r.first_token_at is not None:
-                    values["first_token_at"] = r.first_token_at
-                if session.execute(self._mine(r.job_id).values(**values)).rowcount:
-                    written.append(r)
-                else:
-                    logger.warning("job %s is no longer running on %s; result not stored",
-                                   r.job_id, self.group_id)
-            for q in requeues:
-                values = {"status": JobStatus.QUEUED.value, "worker": None,
-                          "lease_expires_at": None, "output_text": None,
-                          "completion_tokens": None, "first_token_at": None}
-                if session.execute(self._mine(q.job_id).values(**values)).rowcount:
-                    requeued.append(q)
+    def _store_alone(self, item: Any) -> None:
+        try:
+            self._store([item])
+            return
+        except Exception as exc:  # noqa: BLE001
+            if not isinstance(item, JobResult) or _is_outage(exc):
+                logger.exception("dropping an update of job %s", item.job_id)
+                self._release(item.job_id)
+                return
+            logger.exception("job %s: its result was rejected; storing a failure", item.job_id)
+            try:
+                self._store([unstorable(item, exc)])
+            except Exception:  # noqa: BLE001 - lease reclaim will rerun it
+                logger.exception("job %s: could not store a failure either", item.job_id)
+                self._release(item.job_id)
+
+    def _release(self, job_id: str) -> None:
+        """Stop renewing the lease: reclaim reruns a job whose end we could not store."""
         with self._owned_lock:
-            self._owned.difference_update(finished)
+            self._owned.discard(job_id)
+
+    def _store(self, items: list[Any]) -> None:
+        written, requeued = self.rows.write(items)
+        with self._owned_lock:
+            self._owned.difference_update(
+                i.job_id for i in items if isinstance(i, JobResult | JobRequeue))
         events = [(r.job_id, r.event) for r in written]
         events += [(q.job_id, JobEvent(EventType.RESTART, attempt=q.next_attempt))
                    for q in requeued]
@@ -250,49 +205,27 @@ class DbWriter:
             except Exception:  # noqa: BLE001
                 logger.exception("job %s: generate message not sent; leaving it to lease "
                                  "reclaim", q.job_id)
-                self._hand_to_reclaim(q.job_id)
+                try:
+                    self.rows.hand_to_reclaim(q.job_id)
+                except Exception:  # noqa: BLE001
+                    logger.exception("job %s is queued without a generate message; "
+                                     "resubmit it", q.job_id)
                 continue
             logger.info("job %s requeued by %s (next attempt %d)",
                         q.job_id, self.group_id, q.next_attempt)
-
-    def _hand_to_reclaim(self, job_id: str) -> None:
-        """A queued row with no message would wait forever (reclaim only sees running
-        rows): make it a running row with an expired lease, which reclaim requeues."""
-        try:
-            with self.session_factory.begin() as session:
-                session.execute(
-                    update(Job)
-                    .where(Job.id == uuid.UUID(job_id), Job.status == JobStatus.QUEUED.value,
-                           Job.worker.is_(None))
-                    .values(status=JobStatus.RUNNING.value, worker=self.group_id,
-                            lease_expires_at=utcnow())
-                )
-        except Exception:  # noqa: BLE001
-            logger.exception("job %s is queued without a generate message; resubmit it",
-                             job_id)
-
-    def _mine(self, job_id: str) -> Any:
-        return update(Job).where(
-            Job.id == uuid.UUID(job_id),
-            Job.status == JobStatus.RUNNING.value,
-            Job.worker == self.group_id,
-        )
 
     def _renew_leases(self) -> None:
         ids = self.owned()
         if not ids:
             return
-        expires = utcnow() + timedelta(seconds=self.settings.lease_seconds)
         try:
-            with self.session_factory.begin() as session:
-                session.execute(
-                    update(Job)
-                    .where(
-                        Job.id.in_([uuid.UUID(i) for i in ids]),
-                        Job.status == JobStatus.RUNNING.value,
-                        Job.worker == self.group_id,
-                    )
-                    .values(lease_expires_at=expires)
-                )
+            self.rows.renew_leases(ids, utcnow() + timedelta(seconds=self.settings.lease_seconds))
         except Exception:  # noqa: BLE001 - retried at the next renewal
             logger.exception("renewing the leases of %d jobs failed", len(ids))
+
+
+def _is_outage(exc: Exception) -> bool:
+    """Connection trouble (retry) rather than a statement Postgres rejects (don't)."""
+    if isinstance(exc, OperationalError):
+        return True
+    return isinstance(exc, DBAPIError) and bool(exc.connection_invalidated)

@@ -11,8 +11,12 @@ from typing import TYPE_CHECKING, Any
 
 from tasks.models import JobStatus
 from tasks.protocol import EventType, JobEvent
-from workers.db_writer import JobProgress, JobResult
+from workers.job_rows import JobProgress, JobResult
 from workers.outputs import CompletionDelta, FinishReason
+
+# NOTE: Postgres text cannot hold NUL. A NUL the model emits reaches the client as U+FFFD,
+# the same in the stream and in the stored output (token ids stay exact).
+NUL_REPLACEMENT = "\ufffd"
 
 if TYPE_CHECKING:
     from workers.batcher import AdmittedJob
@@ -48,8 +52,9 @@ class JobState:
         index = delta.index
         self.num_prompt_tokens = delta.num_prompt_tokens or self.num_prompt_tokens
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
-        if delta.text:
-            self.texts[index].append(delta.text)
+        text = delta.text.replace("\x00", NUL_REPLACEMENT) if delta.text else ""
+        if text:
+            self.texts[index].append(text)
         self.token_ids[index].extend(delta.new_token_ids)
         if delta.finished and self.finish_reasons[index] is None:
             reason = delta.finish_reason or FinishReason.STOP
@@ -59,7 +64,7 @@ class JobState:
         return JobEvent(
             EventType.TOKEN,
             index=index,
-            text=delta.text,
+            text=text,
             token_ids=list(delta.new_token_ids),
             logprobs=_logprobs_payload(delta),
         )

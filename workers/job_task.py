@@ -26,7 +26,8 @@ from tasks.models import Job, JobStatus
 from tasks.params import SamplingParams
 from tasks.protocol import EventType, JobEvent, cancel_flag_key
 from workers.batcher import AdmittedJob, Batcher
-from workers.db_writer import DbWriter, JobResult
+from workers.db_writer import DbWriter
+from workers.job_rows import JobResult
 from workers.outputs import FinishReason
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,199 @@
+"""Helpers for the batcher and pipeline tests: job rows, streams, worker processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import requests
+from sqlalchemy import select
+
+from tasks.db import utcnow
+from tasks.models import Job, JobStatus
+from tasks.protocol import JobEvent, events_key, group_alive_key, groups_key
+from tasks.settings import Settings
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def insert_job(session_factory: Any, *, model: str = "tiny", prompt: str | None = "hello",
+               prompt_token_ids: list[int] | None = None, params: dict[str, Any] | None = None,
+               priority: int = 0) -> str:
+    """A queued job row, as the web writes it; returns its id."""
+    job_id = uuid.uuid4()
+    with session_factory.begin() as session:
+        session.add(Job(
+            id=job_id, model=model, kind="completion", prompt=prompt,
+            prompt_token_ids=prompt_token_ids, params=params or {"max_tokens": 8},
+            priority=priority, status=JobStatus.QUEUED.value, attempts=0, created_at=utcnow(),
+        ))
+    return str(job_id)
+
+
+def read_job(session_factory: Any, job_id: str) -> Job:
+    with session_factory() as session:
+        return session.execute(select(Job).where(Job.id == uuid.UUID(job_id))).scalar_one()
+
+
+def read_stream(redis: Any, settings: Settings, job_id: str) -> list[tuple[str, JobEvent]]:
+    entries = redis.xrange(events_key(settings, job_id))
+    return [(_text(entry_id), JobEvent.from_fields(fields)) for entry_id, fields in entries]
+
+
+def wait_for(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    """Poll `check` until it returns something truthy; fail the test after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+def wait_terminal(session_factory: Any, job_id: str, timeout: float = 60.0) -> Job:
+    return wait_for(
+        lambda: (lambda job: job if JobStatus(job.status).is_terminal else None)(
+            read_job(session_factory, job_id)),
+        timeout, f"job {job_id} to end",
+    )
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+# --- worker processes -----------------------------------------------------------------
+
+
+def worker_env(settings: Settings, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({
+        "LLMQ_DATABASE_URL": settings.database_url,
+        "LLMQ_REDIS_URL": settings.redis_url,
+        "LLMQ_REDIS_PREFIX": settings.redis_prefix,
+        "LLMQ_MODELS": ",".join(f"{k}={v}" for k, v in settings.models.items()),
+        "LLMQ_LEASE_SECONDS": str(settings.lease_seconds),
+        "LLMQ_LEASE_RENEW_SECONDS": str(settings.lease_renew_seconds),
+        "LLMQ_DRAIN_GRACE_SECONDS": str(settings.drain_grace_seconds),
+        "PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
+        # one intra-op thread per worker: two workers share this machine's cores
+        "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
+    })
+    env.update(extra)
+    return env
+
+
+class WorkerProcess:
+    """A real `python -m workers.worker` process; its log goes to `log_path`."""
+
+    def __init__(self, settings: Settings, group_id: str, log_dir: Path, *,
+                 model: str = "tiny", args: list[str] | None = None) -> None:
+        self.settings = settings
+        self.group_id = group_id
+        self.model = model
+        self.log_path = log_dir / f"worker-{group_id}.log"
+        command = [sys.executable, "-m", "workers.worker", "--model-name", model,
+                   "--group-id", group_id, "--heartbeat-seconds", "0.5", *(args or [])]
+        self._log = open(self.log_path, "wb")
+        self.process = subprocess.Popen(command, cwd=REPO, env=worker_env(settings),
+                                        stdout=self._log, stderr=subprocess.STDOUT)
+
+    def heartbeat(self, redis: Any) -> dict[str, Any] | None:
+        if not redis.exists(group_alive_key(self.settings, self.model, self.group_id)):
+            return None
+        raw = redis.hget(groups_key(self.settings, self.model), self.group_id)
+        return json.loads(raw) if raw else None
+
+    def wait_ready(self, redis: Any, timeout: float = 90.0) -> dict[str, Any]:
+        def ready() -> dict[str, Any] | None:
+            if self.process.poll() is not None:
+                raise AssertionError(f"worker {self.group_id} exited with "
+                                     f"{self.process.returncode}:\n{self.log_tail()}")
+            return self.heartbeat(redis)
+        return wait_for(ready, timeout, f"worker {self.group_id} heartbeat", interval=0.2)
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-num_chars:]
+
+    def kill(self) -> None:
+        """SIGKILL: no drain, no cleanup (a crashed machine)."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        """SIGTERM (drain) and wait; SIGKILL if it does not exit in time."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        self._log.close()
+        return self.process.returncode
+
+
+# --- HTTP / SSE -------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class SseEvent:
+    id: str | None
+    event: str
+    data: dict[str, Any]
+    received_at: float  # time.time() when its last line arrived
+
+
+def iter_sse(base_url: str, job_id: str, last_event_id: str | None = None,
+             timeout: float = 60.0) -> Iterator[SseEvent]:
+    """The job's server-sent events, parsed, up to and including the terminal one."""
+    headers = {"Accept": "text/event-stream"}
+    if last_event_id:
+        headers["Last-Event-ID"] = last_event_id
+    with requests.get(f"{base_url}/v1/jobs/{job_id}/events", headers=headers, stream=True,
+                      timeout=timeout) as response:
+        response.raise_for_status()
+        fields: dict[str, str] = {}
+        for line in response.iter_lines(decode_unicode=True):
+            if line:
+                if line.startswith(":"):
+                    continue
+                name, _, value = line.partition(":")
+                fields[name] = value[1:] if value.startswith(" ") else value
+                continue
+            if "event" in fields:
+                event = SseEvent(fields.get("id"), fields["event"],
+                                 json.loads(fields.get("data") or "{}"), time.time())
+                yield event
+                if event.event in TERMINAL_EVENTS:
+                    return
+            fields = {}
+
+
+TERMINAL_EVENTS = ("done", "error", "cancelled")
+
+
+def submit(base_url: str, **body: Any) -> dict[str, Any]:
+    body.setdefault("model", "tiny")
+    response = requests.post(f"{base_url}/v1/jobs", json=body, timeout=30)
+    assert response.status_code == 202, response.text
+    return response.json()
+
+
+def get_job(base_url: str, job_id: str) -> dict[str, Any]:
+    response = requests.get(f"{base_url}/v1/jobs/{job_id}", timeout=30)
+    assert response.status_code == 200, response.text
+    return response.json()

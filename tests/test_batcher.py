@@ -1,0 +1,293 @@
+"""The batcher, writer and admission with the real tiny engine, real Redis and Postgres,
+and no Celery: a job row goes in, the stream and the row come out."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from tasks.models import JobStatus
+from tasks.params import SamplingParams
+from tasks.protocol import EventType, JobEvent, cancel_flag_key
+from tasks.streams import EventPublisher
+from tests.pipeline_helpers import insert_job, read_job, read_stream, wait_for, wait_terminal
+from workers.batcher import AdmittedJob, Batcher
+from workers.db_writer import DbWriter
+from workers.job_rows import JobResult
+from workers.job_task import GenerateOutcome, JobAdmission
+
+GREEDY = {"temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_qwen3_dir):
+    from workers.engine import Engine, EngineConfig
+
+    config = EngineConfig(block_size=16, max_num_seqs=8, max_num_batched_tokens=512)
+    return Engine.from_checkpoint(str(tiny_qwen3_dir), kv_cache_bytes=8 * 1024 * 1024,
+                                  config=config)
+
+
+class FlakyEngine:
+    """The real engine, except that `step()` raises while `fail_steps` > 0 and waits while
+    `running` is clear (so a test holds jobs in the engine as long as it needs)."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self.fail_steps = 0
+        self.running = threading.Event()
+        self.running.set()
+
+    def step(self):  # noqa: ANN201
+        self.running.wait(30)
+        if self.fail_steps > 0:
+            self.fail_steps -= 1
+            raise RuntimeError("device lost")
+        return self._engine.step()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+
+@dataclass
+class Group:
+    settings: Any
+    engine: FlakyEngine
+    batcher: Batcher
+    writer: DbWriter
+    admission: JobAdmission
+    sent: list[str]
+    group_id: str
+
+
+@pytest.fixture
+def group(service_settings, session_factory, redis_client, tiny_engine):
+    settings = service_settings.with_overrides(lease_renew_seconds=0.2, lease_seconds=5.0)
+    group_id = f"test-group-{uuid.uuid4().hex[:6]}"
+    publisher = EventPublisher(redis_client, settings)
+    sent: list[str] = []
+    engine = FlakyEngine(tiny_engine)
+    writer = DbWriter(settings, session_factory, publisher.publish, sent.append, group_id)
+    batcher = Batcher(engine, publisher.publish, writer, capacity=4, progress_interval=0.1)
+    admission = JobAdmission(settings, session_factory, redis_client, batcher, writer, group_id,
+                             sent.append)
+    writer.start()
+    batcher.start()
+    yield Group(settings, engine, batcher, writer, admission, sent, group_id)
+    batcher.drain(0.0)
+    writer.stop()
+    assert not tiny_engine.has_unfinished_requests()
+
+
+def _events(group: Group, redis_client, job_id: str):
+    return [event for _, event in read_stream(redis_client, group.settings, job_id)]
+
+
+def test_job_runs_to_a_stored_result_and_one_terminal_event(group, session_factory,
+                                                            redis_client, tiny_engine):
+    job_id = insert_job(session_factory, prompt="hello world",
+                        params={"max_tokens": 12, "ignore_eos": True, **GREEDY})
+    assert group.admission.run(job_id) is GenerateOutcome.ADMITTED
+    job = wait_terminal(session_factory, job_id)
+    events = _events(group, redis_client, job_id)
+
+    assert job.status == JobStatus.SUCCEEDED.value and job.finish_reason == "length"
+    assert job.attempts == 1 and job.worker == group.group_id
+    assert job.started_at <= job.first_token_at <= job.finished_at
+    assert job.lease_expires_at is None
+    tokens = [e for e in events if e.type is EventType.TOKEN]
+    assert [e.type for e in events[len(tokens):]] == [EventType.DONE]
+    assert "".join(e.text for e in tokens) == job.output_text == job.output[0]["text"]
+    assert sum((e.token_ids for e in tokens), []) == job.output[0]["token_ids"]
+    assert job.completion_tokens == 12 and events[-1].usage["completion_tokens"] == 12
+    assert job.prompt_tokens == len(tiny_engine.tokenizer.encode("hello world"))
+    # offline: the same request on the engine directly gives the same tokens
+    tiny_engine.add_request("offline", "hello world",
+                            SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0))
+    offline: list[int] = []
+    while tiny_engine.has_unfinished_requests():
+        offline += [t for d in tiny_engine.step() for t in d.new_token_ids]
+    assert offline == job.output[0]["token_ids"]
+
+
+def test_generate_only_claims_queued_jobs(group, session_factory):
+    job_id = insert_job(session_factory, params={"max_tokens": 2})
+    assert group.admission.run(job_id) is GenerateOutcome.ADMITTED
+    # a duplicated message while running, and after the end: both skipped
+    assert group.admission.run(job_id) is GenerateOutcome.SKIPPED
+    wait_terminal(session_factory, job_id)
+    assert group.admission.run(job_id) is GenerateOutcome.SKIPPED
+    assert read_job(session_factory, job_id).attempts == 1
+    cancelled = insert_job(session_factory)
+    with session_factory.begin() as session:
+        read = session.get(type(read_job(session_factory, cancelled)), uuid.UUID(cancelled))
+        read.status = JobStatus.CANCELLED.value
+    assert group.admission.run(cancelled) is GenerateOutcome.SKIPPED
+    assert read_job(session_factory, cancelled).worker is None
+
+
+def test_bad_parameters_fail_the_job_with_a_reason(group, session_factory, redis_client):
+    job_id = insert_job(session_factory, params={"max_tokens": 0})
+    assert group.admission.run(job_id) is GenerateOutcome.FAILED
+    job = wait_terminal(session_factory, job_id)
+    assert job.status == JobStatus.FAILED.value and "max_tokens" in job.error
+    events = _events(group, redis_client, job_id)
+    assert [e.type for e in events] == [EventType.ERROR] and "max_tokens" in events[0].error
+    # a request the engine refuses (longer than the context) fails the same way
+    too_long = insert_job(session_factory, params={"max_tokens": 100_000})
+    assert group.admission.run(too_long) is GenerateOutcome.ADMITTED
+    job = wait_terminal(session_factory, too_long)
+    assert job.status == JobStatus.FAILED.value and "max_model_len" in job.error
+
+
+def test_cancel_stops_a_running_job_and_frees_its_blocks(group, session_factory, redis_client,
+                                                         tiny_engine):
+    job_id = insert_job(session_factory, params={"max_tokens": 200, "ignore_eos": True})
+    group.admission.run(job_id)
+    wait_for(lambda: read_job(session_factory, job_id).output_text, 30, "partial output")
+    group.batcher.cancel(job_id)
+    job = wait_terminal(session_factory, job_id, timeout=10)
+    events = _events(group, redis_client, job_id)
+    assert job.status == JobStatus.CANCELLED.value and job.finish_reason == "cancelled"
+    assert events[-1].type is EventType.CANCELLED
+    assert [e.type for e in events].count(EventType.CANCELLED) == 1
+    assert 0 < job.completion_tokens < 200
+    assert job.output_text == "".join(e.text for e in events if e.type is EventType.TOKEN)
+    assert tiny_engine.stats().kv_cache_usage == 0.0
+    wait_for(lambda: group.batcher.load().engine["kv_cache_usage"] == 0.0, 5, "load figures")
+
+
+def test_cancel_flag_set_before_admission_skips_the_engine(group, session_factory,
+                                                          redis_client):
+    job_id = insert_job(session_factory)
+    redis_client.set(cancel_flag_key(group.settings, job_id), b"1", ex=60)
+    assert group.admission.run(job_id) is GenerateOutcome.CANCELLED
+    job = wait_terminal(session_factory, job_id)
+    assert job.status == JobStatus.CANCELLED.value
+    assert [e.type for e in _events(group, redis_client, job_id)] == [EventType.CANCELLED]
+    # a cancel that reaches the batcher just before its job does still catches it
+    early = insert_job(session_factory, params={"max_tokens": 200, "ignore_eos": True})
+    group.batcher.cancel(early)
+    time.sleep(0.1)
+    group.admission.run(early)
+    assert wait_terminal(session_factory, early).status == JobStatus.CANCELLED.value
+
+
+def test_admission_blocks_while_the_group_is_full(group, session_factory):
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    group.engine.running.clear()  # hold the first job in the engine
+    first = insert_job(session_factory, params={"max_tokens": 20, "ignore_eos": True, "n": 4})
+    assert group.admission.run(first) is GenerateOutcome.ADMITTED  # 4 samples: full
+    blocked = AdmittedJob(job_id=str(uuid.uuid4()), prompt="x", params=params)
+    started = time.monotonic()
+    assert group.batcher.admit(blocked, timeout=0.3) is False
+    assert time.monotonic() - started >= 0.3
+    second = insert_job(session_factory, params={"max_tokens": 4})
+    result: list[GenerateOutcome] = []
+    thread = threading.Thread(target=lambda: result.append(group.admission.run(second)))
+    thread.start()
+    thread.join(0.2)
+    assert thread.is_alive(), "admission returned while the group was full"
+    assert read_job(session_factory, first).status == JobStatus.RUNNING.value
+    # a job cancelled while it waits for room is let through and ends without running
+    waiting = insert_job(session_factory, params={"max_tokens": 4})
+    outcome: list[GenerateOutcome] = []
+    waiter = threading.Thread(target=lambda: outcome.append(group.admission.run(waiting)))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive()
+    group.batcher.cancel(waiting)
+    waiter.join(5)
+    assert outcome == [GenerateOutcome.ADMITTED]
+    group.engine.running.set()
+    assert wait_terminal(session_factory, waiting).status == JobStatus.CANCELLED.value
+    thread.join(60)
+    assert result == [GenerateOutcome.ADMITTED]
+    assert wait_terminal(session_factory, first).status == JobStatus.SUCCEEDED.value
+    assert wait_terminal(session_factory, second).status == JobStatus.SUCCEEDED.value
+
+
+def test_a_failing_step_fails_its_jobs_and_the_batcher_goes_on(group, session_factory,
+                                                              redis_client):
+    group.engine.fail_steps = 1
+    job_id = insert_job(session_factory, params={"max_tokens": 4})
+    group.admission.run(job_id)
+    job = wait_terminal(session_factory, job_id)
+    assert job.status == JobStatus.FAILED.value and "device lost" in job.error
+    events = _events(group, redis_client, job_id)
+    assert events[-1].type is EventType.ERROR and "device lost" in events[-1].error
+    assert group.batcher.is_alive()
+    after = insert_job(session_factory, params={"max_tokens": 4})
+    group.admission.run(after)
+    assert wait_terminal(session_factory, after).status == JobStatus.SUCCEEDED.value
+
+
+def test_leases_are_renewed_while_running(group, session_factory):
+    job_id = insert_job(session_factory, params={"max_tokens": 200, "ignore_eos": True})
+    group.admission.run(job_id)
+    first = read_job(session_factory, job_id).lease_expires_at
+    later = wait_for(lambda: (lambda j: j if j.lease_expires_at > first else None)(
+        read_job(session_factory, job_id)), 5, "a renewed lease")
+    assert later.status == JobStatus.RUNNING.value
+    group.batcher.cancel(job_id)
+    wait_terminal(session_factory, job_id)
+
+
+def test_drain_requeues_unfinished_jobs(service_settings, session_factory, redis_client,
+                                        tiny_engine):
+    settings = service_settings
+    publisher = EventPublisher(redis_client, settings)
+    sent: list[str] = []
+    writer = DbWriter(settings, session_factory, publisher.publish, sent.append, "drainer")
+    batcher = Batcher(tiny_engine, publisher.publish, writer, capacity=4)
+    admission = JobAdmission(settings, session_factory, redis_client, batcher, writer,
+                             "drainer", sent.append)
+    writer.start()
+    batcher.start()
+    job_id = insert_job(session_factory, params={"max_tokens": 200, "ignore_eos": True})
+    admission.run(job_id)
+    wait_for(lambda: read_job(session_factory, job_id).first_token_at, 30, "a first token")
+    admission.close()
+    aborted = batcher.drain(0.0)
+    assert [job.job_id for job in aborted] == [job_id]
+    for job in aborted:
+        writer.requeue(job.job_id, job.attempt + 1)
+    late = insert_job(session_factory)
+    assert admission.run(late) is GenerateOutcome.REQUEUED  # handed back untouched
+    writer.stop()
+    job = read_job(session_factory, job_id)
+    assert job.status == JobStatus.QUEUED.value and job.worker is None and job.attempts == 1
+    assert sorted(sent) == sorted([job_id, late])
+    events = [e for _, e in read_stream(redis_client, settings, job_id)]
+    assert events[-1].type is EventType.RESTART and events[-1].attempt == 2
+    assert read_job(session_factory, late).status == JobStatus.QUEUED.value
+    assert not tiny_engine.has_unfinished_requests()
+
+
+def test_a_result_postgres_rejects_fails_alone(group, session_factory, redis_client):
+    """A poison row (NUL in text) must not block the writer or the other jobs' results."""
+    bad, good = (insert_job(session_factory) for _ in range(2))
+    for job_id in (bad, good):
+        assert group.admission.run(job_id) is GenerateOutcome.ADMITTED
+    group.engine.running.clear()  # keep both in the engine while we write by hand
+    try:
+        for job_id in (bad, good):
+            group.batcher.cancel(job_id)  # nothing else may finish them
+        for job_id, text in ((bad, "nul \x00 byte"), (good, "fine")):
+            group.writer.finish(JobResult(
+                job_id=job_id, status=JobStatus.SUCCEEDED, finish_reason="stop", error=None,
+                output=[{"index": 0, "text": text}], output_text=text, prompt_tokens=1,
+                completion_tokens=1, cached_tokens=0,
+                event=JobEvent(EventType.DONE, finish_reason="stop")))
+        assert group.writer.flush(10)
+    finally:
+        group.engine.running.set()
+    bad_row, good_row = wait_terminal(session_factory, bad), wait_terminal(session_factory, good)
+    assert good_row.status == JobStatus.SUCCEEDED.value and good_row.output_text == "fine"
+    assert bad_row.status == JobStatus.FAILED.value and "could not store" in bad_row.error
+    assert [e.type for e in _events(group, redis_client, bad)][-1] is EventType.ERROR
