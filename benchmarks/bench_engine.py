@@ -28,12 +28,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvcache.kv_cache_manager import KVCacheManager  # noqa: E402
-from tasks.params import SamplingParams  # noqa: E402
-from workers.scheduler import Scheduler  # noqa: E402
-from workers.sequence import Sequence  # noqa: E402
-from workers.step_io import ModelRunnerOutput, SchedulerOutput  # noqa: E402
-
+from kvcache.kv_cache_manager import KVCacheManager
+from tasks.params import SamplingParams
+from workers.scheduler import Scheduler
+from workers.sequence import Sequence
+from workers.step_io import ModelRunnerOutput, SchedulerOutput
 
 # ---- 1. scheduler overhead -----------------------------------------------------------
 
@@ -169,7 +168,7 @@ def bench_engine(args: argparse.Namespace) -> dict[str, float]:
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
-        make_model(model_dir, "qwen3", args.preset)
+        make_model(model_dir, "qwen3", args.preset, seed=args.seed, dtype="float32")
         model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
         model.eval()
         work = make_workload(args.num_requests, model.config.vocab_size, seed=args.seed)
@@ -184,9 +183,15 @@ def bench_engine(args: argparse.Namespace) -> dict[str, float]:
         print(f"  engine: {engine_s:.1f}s, {engine_tps:.1f} output tok/s", flush=True)
 
         all_idx = list(range(len(work.prompts)))
-        static_s, static_out = run_hf(model, work, all_idx, batch_size=16)
-        static_tps = work.num_output_tokens / static_s
-        print(f"  HF static batches of 16: {static_s:.1f}s, {static_tps:.1f} tok/s", flush=True)
+        static_idx = all_idx[: args.hf_static_subset or len(all_idx)]
+        static_s, static_out = run_hf(model, work, static_idx, batch_size=16)
+        static_tokens = sum(work.output_lens[i] for i in static_idx)
+        static_tps = static_tokens / static_s
+        print(
+            f"  HF static batches of 16 ({len(static_idx)} of {len(all_idx)} requests, "
+            f"{static_tokens} tokens): {static_s:.1f}s, {static_tps:.1f} tok/s",
+            flush=True,
+        )
 
         subset = all_idx[: args.hf_one_by_one_subset or len(all_idx)]
         one_s, one_out = run_hf(model, work, subset, batch_size=1)
@@ -198,10 +203,10 @@ def bench_engine(args: argparse.Namespace) -> dict[str, float]:
             flush=True,
         )
         same_one = sum(engine_out[i] == one_out[k] for k, i in enumerate(subset))
-        same_static = sum(a == b for a, b in zip(engine_out, static_out))
+        same_static = sum(engine_out[i] == static_out[k] for k, i in enumerate(static_idx))
         print(
             f"  greedy agreement: engine == HF one-by-one on {same_one}/{len(subset)}, "
-            f"engine == HF static on {same_static}/{len(all_idx)}",
+            f"engine == HF static on {same_static}/{len(static_idx)}",
             flush=True,
         )
     return {
@@ -225,6 +230,12 @@ def main() -> None:
         type=int,
         default=0,
         help="run HF one by one on only the first N requests (0: all), tokens/s scales",
+    )
+    parser.add_argument(
+        "--hf-static-subset",
+        type=int,
+        default=0,
+        help="run HF static batching on only the first N requests (0: all; whole batches)",
     )
     args = parser.parse_args()
     if args.part in ("all", "scheduler"):

@@ -24,9 +24,7 @@ class FakeRunner:
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         seq_ids = [s.seq_id for s in out.scheduled if s.sample]
-        sampled = [
-            self.tokens[i].pop(0) if self.tokens.get(i) else self.token for i in seq_ids
-        ]
+        sampled = [self.tokens[i].pop(0) if self.tokens.get(i) else self.token for i in seq_ids]
         return ModelRunnerOutput(seq_ids, sampled, [None] * len(seq_ids))
 
 
@@ -124,7 +122,7 @@ def test_exact_block_ids_and_prefix_hit() -> None:
     sched = make_scheduler(num_blocks=16, block_size=4)
     prompt = list(range(10, 20))  # 10 tokens: 2 full blocks + 2
     (a,) = add(sched, prompt)
-    (b,) = add(sched, 5)
+    add(sched, 5)
     out, _ = step(sched)
     assert [s.block_table for s in out.scheduled] == [[0, 1, 2], [3, 4]]
     # a's 11th token fits its third block; b's 6th token too

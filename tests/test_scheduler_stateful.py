@@ -83,8 +83,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert len(s.block_table) * BLOCK_SIZE >= end
             assert s.seq_id not in out.preempted_seq_ids
         seq_ids = [s.seq_id for s in out.scheduled if s.sample]
-        tokens = [(i * 7 + len(s.output_token_ids)) % 11 for i, s in
-                  ((s.seq_id, s) for s in out.scheduled if s.sample)]
+        tokens = [
+            (i * 7 + len(s.output_token_ids)) % 11
+            for i, s in ((s.seq_id, s) for s in out.scheduled if s.sample)
+        ]
         self.sched.update_from_output(out, ModelRunnerOutput(seq_ids, tokens, [None] * len(tokens)))
         for seqs in self.requests.values():
             for seq in seqs:

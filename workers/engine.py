@@ -29,8 +29,11 @@ __all__ = ["Engine", "EngineConfig", "EngineStats", "PromptTooLongError"]
 class Runner(Protocol):
     """What the engine needs of a model runner (`workers.model_runner.ModelRunner`)."""
 
-    num_blocks: int
-    block_size: int
+    @property
+    def num_blocks(self) -> int: ...
+
+    @property
+    def block_size(self) -> int: ...
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 

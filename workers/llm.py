@@ -95,7 +95,7 @@ class LLM:
         self._request_ids = itertools.count()
 
     @property
-    def tokenizer(self):  # noqa: ANN201 - a transformers tokenizer
+    def tokenizer(self):
         return self.engine.tokenizer
 
     def generate(

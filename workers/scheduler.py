@@ -141,18 +141,17 @@ class Scheduler:
             num_new = len(seq.token_ids) - start
             if 0 < threshold < num_new:
                 num_new = threshold
-            if num_new > budget:
-                num_new = budget
+            num_new = min(num_new, budget)
             end = start + num_new
-            block_table: list[int] | None = seq.block_table
+            block_table = seq.block_table
             # Fast path (most decode steps): the table already covers the chunk and no
             # block becomes full in it, so allocate_slots would change nothing.
             if end > len(block_table) * bs or end // bs != start // bs:
                 while True:
-                    block_table = self.kv_manager.allocate_slots(
+                    allocated = self.kv_manager.allocate_slots(
                         seq.seq_id, seq.token_ids, start, num_new
                     )
-                    if block_table is not None:
+                    if allocated is not None:
                         break
                     # NOTE: running is sorted, and the sequences before i are scheduled,
                     # so the victim (the last one) is never already in this step's batch.
@@ -161,9 +160,9 @@ class Scheduler:
                     preempted.append(victim.seq_id)
                     if victim is seq:
                         break
-                if block_table is None:
+                if allocated is None:
                     break  # seq itself was the last one left to preempt
-                seq.block_table = block_table
+                seq.block_table = block_table = allocated
             budget -= num_new
             # NOTE: block_table is the manager's fresh list for this sequence, never
             # mutated afterwards (the next allocation returns a new one): passed uncopied.
@@ -189,10 +188,7 @@ class Scheduler:
                 writing.update(self._blocks_written(scheduled_seq))
         # NOTE: after a preemption, admitting waiting sequences would only churn the cache
         while (
-            not preempted
-            and self.waiting
-            and budget > 0
-            and len(self.running) < self.max_num_seqs
+            not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
         ):
             seq = self.waiting[0]
             computed_blocks: list[int] = []
@@ -202,13 +198,13 @@ class Scheduler:
                 computed_blocks = _until_written(computed_blocks, writing)
                 num_cached = min(num_cached, len(computed_blocks) * self.block_size)
             num_new = self._chunk_size(seq, num_cached, budget)
-            block_table = self.kv_manager.allocate_slots(
+            allocated = self.kv_manager.allocate_slots(
                 seq.seq_id, seq.token_ids, num_cached, num_new, computed_block_ids=computed_blocks
             )
-            if block_table is None:
+            if allocated is None:
                 break  # no room: waiting sequences never preempt running ones
             self.waiting.pop(0)
-            seq.block_table = block_table
+            seq.block_table = allocated
             if not seq.admitted:
                 seq.num_cached_tokens = min(num_cached, seq.num_prompt_tokens)
                 seq.admitted = True
@@ -218,7 +214,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=_sort_key)
             budget -= num_new
-            scheduled.append(self._schedule_chunk(seq, num_new, block_table, writing))
+            scheduled.append(self._schedule_chunk(seq, num_new, allocated, writing))
 
         return SchedulerOutput(
             scheduled=scheduled,
