@@ -114,7 +114,7 @@ def _parse_prompt(body: dict[str, Any]) -> tuple[str | None, list[int] | None,
         if isinstance(prompt, str):
             if not prompt:
                 raise SchemaError("prompt must not be empty", "prompt")
-            return prompt, None, None
+            return _text(prompt, "prompt"), None, None
         if isinstance(prompt, list):
             return None, _token_ids(prompt, "prompt", allow_empty=False), None
         raise SchemaError("prompt must be a string or a list of token ids", "prompt")
@@ -138,11 +138,11 @@ def _parse_prompt(body: dict[str, Any]) -> tuple[str | None, list[int] | None,
                               f"{param}.role")
         if not isinstance(content, str):
             raise SchemaError(f"{param}.content must be a string", f"{param}.content")
-        item = {"role": role, "content": content}
+        item = {"role": role, "content": _text(content, f"{param}.content")}
         if message.get("name") is not None:
             if not isinstance(message["name"], str):
                 raise SchemaError(f"{param}.name must be a string", f"{param}.name")
-            item["name"] = message["name"]
+            item["name"] = _text(message["name"], f"{param}.name")
         parsed.append(item)
     return None, None, parsed
 
@@ -175,7 +175,14 @@ def _stop(value: Any) -> list[str]:
     if any(not s or len(s) > MAX_STOP_STRING_CHARS for s in stops):
         raise SchemaError(f"stop strings must be 1 to {MAX_STOP_STRING_CHARS} characters",
                           "stop")
-    return list(stops)
+    return [_text(s, "stop") for s in stops]
+
+
+def _text(value: str, name: str) -> str:
+    # NOTE: Postgres text cannot hold NUL, and no tokenizer means anything by it.
+    if "\x00" in value:
+        raise SchemaError(f"{name} must not contain NUL (\\u0000) characters", name)
+    return value
 
 
 def _token_ids(value: Any, name: str, *, allow_empty: bool) -> list[int]:

@@ -93,6 +93,11 @@ def _sse(job_id: str, job: Job, last_id: str | None, subscriber: EventSubscriber
 
 def format_event(entry_id: str | None, event: JobEvent) -> str:
     payload = {k: v for k, v in asdict(event).items() if k != "type" and v is not None}
+    if event.type is not EventType.TOKEN:
+        # only token events carry a delta; empty defaults would only confuse clients
+        payload = {k: v for k, v in payload.items() if v not in ("", [])}
+        if payload.get("index") == 0:
+            del payload["index"]
     if event.type is EventType.RESTART:
         payload["message"] = ("the job restarts from the beginning; discard the output "
                               "received so far")
