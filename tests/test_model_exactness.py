@@ -233,3 +233,43 @@ def test_tied_embeddings_match_hf(tiny_qwen3_tied_dir):
     seq = driver.add(prompt)
     logits = driver.runner.forward_logits(SchedulerOutput([driver._schedule(seq)], len(prompt)))
     assert (logits - ref).abs().max().item() < 1e-4
+
+
+def test_runner_contract(tiny_qwen3_dir):
+    loaded = load_checkpoint(tiny_qwen3_dir)
+    runner = ModelRunner(loaded, block_size=BLOCK_SIZE, kv_cache_bytes=64 * 1024,
+                         max_num_batched_tokens=64, max_num_seqs=2)
+    c = loaded.config
+    per_token = c.num_kv_heads * c.head_dim * 4  # fp32 bytes of one layer's K (or V)
+    assert runner.bytes_per_block == 2 * c.num_layers * BLOCK_SIZE * per_token
+    assert runner.num_blocks == 64 * 1024 // runner.bytes_per_block
+    assert runner.kv_cache.shape == (runner.num_blocks, 2, c.num_layers, BLOCK_SIZE,
+                                     c.num_kv_heads, c.head_dim)
+    assert runner.kv_cache[3].is_contiguous()
+
+    def seq(seq_id, tokens, start, table, sample=True):
+        return ScheduledSequence(seq_id, tokens, start, table, sample, GREEDY, tokens, [])
+
+    # only sequences with sample=True return a token, in scheduled order
+    out = runner.execute(SchedulerOutput([seq(7, [5] * 20, 0, [1, 2], sample=False),
+                                          seq(3, [6, 7, 8], 0, [4])], 23))
+    assert out.seq_ids == [3] and len(out.sampled_token_ids) == 1 and out.logprobs == [None]
+
+    with pytest.raises(ValueError, match="sequence 9: 3 tokens from position 15 need 2 blocks"):
+        runner.execute(SchedulerOutput([seq(9, [1, 2, 3], 15, [4])], 3))
+    with pytest.raises(ValueError, match="max_num_seqs=2"):
+        runner.execute(SchedulerOutput([seq(i, [1], 0, [i]) for i in range(3)], 3))
+    with pytest.raises(ValueError, match="max_num_batched_tokens=64"):
+        runner.execute(SchedulerOutput([seq(1, [1] * 65, 0, [1, 2, 3, 4, 5])], 65))
+    with pytest.raises(ValueError, match=f"expected {runner.bytes_per_block}"):
+        runner.write_blocks([(1, b"\0" * 10)])
+    with pytest.raises(ValueError, match="raise the KV cache budget"):
+        ModelRunner(loaded, kv_cache_bytes=100)
+
+    # blocks_to_load land before the forward pass reads them
+    blob = runner.read_blocks([4])[0]
+    runner.kv_cache[5] = 0.0
+    again = runner.forward_logits(SchedulerOutput([seq(3, [9], 3, [5])], 1,
+                                                  blocks_to_load=[(5, blob)]))
+    direct = runner.forward_logits(SchedulerOutput([seq(3, [9], 3, [4])], 1))
+    assert torch.equal(again, direct)

@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from workers.device import resolve_device
 from workers.models.config import ModelConfig
 from workers.models.layers import ShapeMismatch
 from workers.models.registry import MODEL_REGISTRY, resolve_architecture
@@ -62,7 +63,7 @@ def load_checkpoint(model_dir: str | Path, dtype: str = "auto",
         torch.set_default_dtype(default_dtype)
     _load_weights(model, files, config)
     # the rotary table stays float32 (positions need its precision); it is cast per step
-    model = model.to(device=device).eval()
+    model = model.to(device=resolve_device(device)).eval()
 
     tokenizer = _load_tokenizer(root)
     loaded = LoadedCheckpoint(
