@@ -459,3 +459,32 @@ def test_sse_ends_from_the_row_when_the_terminal_event_is_missing(api, session_f
     events = [i for i in _read_sse(f"{api}/v1/jobs/{running}/events") if "event" in i]
     assert [e["event"] for e in events] == ["error"]
     assert time.monotonic() - started < 10
+
+
+def test_cli_submit_prints_the_streamed_text(api, api_settings, session_factory, redis_client):
+    import subprocess
+    import sys
+
+    before = {j["id"] for j in requests.get(f"{api}/v1/jobs?limit=100", timeout=30).json()["data"]}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tasks.cli", "submit", "hello", "--max-tokens", "3", "--url", api],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        new: set[str] = set()
+        while not new and time.monotonic() < deadline:
+            time.sleep(0.2)
+            listed = requests.get(f"{api}/v1/jobs?limit=100", timeout=30).json()["data"]
+            new = {j["id"] for j in listed} - before
+        (job_id,) = new
+        _set_status(session_factory, job_id, JobStatus.RUNNING)
+        EventPublisher(redis_client, api_settings).publish(
+            [(job_id, JobEvent(EventType.TOKEN, text=t)) for t in ("Hel", "lo ", "there")]
+            + [(job_id, JobEvent(EventType.DONE, finish_reason="length",
+                                 usage={"completion_tokens": 3}))])
+        stdout, stderr = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 0, stderr
+    assert stdout == "Hello there\n"
+    assert job_id in stderr and "length" in stderr
