@@ -172,3 +172,29 @@ def test_a_killed_group_loses_no_job(base_url, group_a, service_settings, redis_
         streamed = list(iter_sse(base_url, job_id))
         assert [e.event for e in streamed].count("restart") == 1
         assert streamed[-1].event == "done"
+
+
+def test_sigterm_drains_and_requeues_what_did_not_finish(base_url, group_a, service_settings,
+                                                         redis_client, session_factory,
+                                                         tmp_path_factory):
+    drainer = WorkerProcess(service_settings.with_overrides(drain_grace_seconds=0.3),
+                            f"drainer-{uuid.uuid4().hex[:4]}",
+                            tmp_path_factory.mktemp("workers"), args=WORKER_ARGS)
+    try:
+        drainer.wait_ready(redis_client)
+        ids = [submit(base_url, prompt=f"drain {i}", **LONG)["id"] for i in range(8)]
+        wait_for(lambda: any(read_job(session_factory, i).worker == drainer.group_id
+                             and read_job(session_factory, i).first_token_at for i in ids),
+                 60, "a job generating on the drainer")
+    finally:
+        assert drainer.terminate() == 0, drainer.log_tail()
+    assert drainer.heartbeat(redis_client) is None  # it said goodbye
+    rows = [wait_terminal(session_factory, i, timeout=120) for i in ids]
+    assert {row.status for row in rows} == {JobStatus.SUCCEEDED.value}
+    moved = [row for row in rows if row.attempts == 2]
+    assert moved, "no job was running on the drainer when it stopped"
+    for row in moved:
+        types = [e.type.value for _, e in read_stream(redis_client, service_settings,
+                                                     str(row.id))]
+        assert types.count("restart") == 1 and types[-1] == "done"
+        assert row.worker == group_a.group_id

@@ -132,7 +132,7 @@ class GroupRuntime:
             return
         self._stopped.set()
         grace = self.settings.drain_grace_seconds
-        logger.info("group %s draining (grace %.0fs, %d jobs)", self.group_id, grace,
+        logger.info("group %s draining (grace %.1fs, %d jobs)", self.group_id, grace,
                     self.batcher.load().num_jobs)
         self.heartbeat.draining = True
         self.admission.close()
