@@ -161,63 +161,18 @@ def redis_url() -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def service_model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The checkpoint served as model "tiny": `tiny_qwen3_dir` from tests/fixtures_models.py.
-
-    Until that fixture exists, a tokenizer + config.json directory (enough for the web:
-    tokenizing, chat template, max_model_len) stands in.
-    """
-    try:
-        return str(request.getfixturevalue("tiny_qwen3_dir"))
-    except pytest.FixtureLookupError:
-        return str(write_tokenizer_checkpoint(tmp_path_factory.mktemp("tiny-tokenizer")))
-
-
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def write_tokenizer_checkpoint(directory: Path, max_position_embeddings: int = 256) -> Path:
-    """A byte-level BPE tokenizer with a chat template, plus a config.json: no weights."""
-    import json
-
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    corpus = ["the quick brown fox jumps over the lazy dog", "hello world, how are you?",
-              "user assistant system", "one two three four five six seven eight nine ten"]
-    tokenizer.train_from_iterator(corpus * 20, trainer=trainer)
-    tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>", "chat_template": CHAT_TEMPLATE,
-        "model_max_length": max_position_embeddings,
-    }))
-    (directory / "config.json").write_text(json.dumps({
-        "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
-        "vocab_size": tokenizer.get_vocab_size(), "max_position_embeddings": max_position_embeddings,
-        "eos_token_id": tokenizer.token_to_id("<|im_end|>"),
-    }))
-    return directory
-
-
-@pytest.fixture(scope="session")
-def service_settings(postgres_url: str, redis_url: str, service_model_dir: str) -> Iterator[Settings]:
-    """Settings on the throwaway database (migrated) and a unique Redis prefix."""
+def service_settings(
+    postgres_url: str, redis_url: str, tiny_qwen3_dir: Path
+) -> Iterator[Settings]:
+    """Settings on the throwaway database (migrated), a unique Redis prefix, and the
+    `tiny_qwen3_dir` checkpoint served as model "tiny"."""
     prefix = f"llmqtest{uuid.uuid4().hex[:10]}"
     upgrade_database(postgres_url)
     settings = Settings(
         database_url=postgres_url,
         redis_url=redis_url,
         redis_prefix=prefix,
-        models={"tiny": service_model_dir},
+        models={"tiny": str(tiny_qwen3_dir)},
         sse_heartbeat_seconds=1.0,
         lease_seconds=5.0,
         lease_renew_seconds=1.0,
