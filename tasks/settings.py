@@ -41,6 +41,8 @@ class Settings:
     max_body_bytes: int = 4 * 1024 * 1024
     max_n: int = 8
     drain_grace_seconds: float = 30.0
+    # a non-streaming OpenAI request waits this long for its job, then cancels it (504)
+    request_timeout_seconds: float = 600.0
     # engine defaults of a device-group worker
     device: str = "cpu"
     dtype: str = "auto"

@@ -13,7 +13,7 @@ logger = logging.getLogger(__name__)
 
 def create_app(settings: Settings | None = None) -> Flask:
     """The API app for `settings` (default: `Settings.from_env()`). Connects to nothing yet."""
-    from webapp import errors, events, jobs, meta
+    from webapp import errors, events, jobs, meta, metrics, openai_api
     from webapp.services import Services
 
     settings = settings if settings is not None else Settings.from_env()
@@ -25,6 +25,8 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.register_blueprint(jobs.bp)
     app.register_blueprint(events.bp)
     app.register_blueprint(meta.bp)
+    app.register_blueprint(openai_api.bp)
+    app.register_blueprint(metrics.bp)
     logger.info("llmq API ready: models %s, auth %s", sorted(settings.models),
                 "on" if settings.auth_enabled else "off")
     return app

@@ -13,6 +13,7 @@ from sqlalchemy import delete, or_, select, update
 
 from tasks.celery_app import send_generate
 from tasks.db import update_count, utcnow
+from tasks.metrics import record_queued_cancel
 from tasks.model_registry import ModelLoadError, ServedModel, UnknownModelError
 from tasks.models import Job, JobStatus
 from tasks.protocol import EventType, JobEvent, cancel_channel, cancel_flag_key
@@ -21,7 +22,7 @@ from tasks.streams import current_output
 from webapp.auth import current_api_key_id
 from webapp.errors import APIError, redis_unavailable
 from webapp.serialize import is_terminal, job_links, job_to_dict
-from webapp.services import services
+from webapp.services import Services, services
 
 logger = logging.getLogger(__name__)
 
@@ -45,44 +46,14 @@ def create_job() -> tuple[Response, int]:
         job_request = parse_job_request(body, max_n=svc.settings.max_n)
     except SchemaError as exc:
         raise APIError(400, "invalid_value", exc.message, exc.param) from None
-    model = _served_model(job_request.model)
-    prompt_text, prompt_token_ids = _tokenize(model, job_request)
-    idempotency_key = _idempotency_key()
-    if idempotency_key is not None:
-        existing = _find_idempotent(api_key_id, idempotency_key)
-        if existing is not None:
-            return jsonify(job_to_dict(existing)), 200
-
-    job = Job(
-        api_key_id=api_key_id, model=job_request.model, kind=job_request.kind.value,
-        prompt=prompt_text, messages=job_request.messages, prompt_token_ids=prompt_token_ids,
-        params=job_request.params_dict(), priority=job_request.priority,
-        idempotency_key=idempotency_key, status=JobStatus.QUEUED.value, attempts=0,
-        prompt_tokens=len(prompt_token_ids), created_at=utcnow(),
-    )
-    try:
-        with svc.session_factory.begin() as session:
-            session.add(job)
-    except sqlalchemy.exc.IntegrityError:
-        # NOTE: a concurrent request with the same Idempotency-Key won the insert.
-        existing = _find_idempotent(api_key_id, idempotency_key) if idempotency_key else None
-        if existing is None:
-            raise
-        return jsonify(job_to_dict(existing)), 200
-    job_id = str(job.id)
-    try:
-        send_generate(svc.celery, svc.settings, job_id, job.model)
-    except Exception:
-        # The row must not stay queued with no message to run it: take it back.
-        logger.warning("job %s: could not enqueue generate; removing the row", job_id,
-                       exc_info=True)
-        with svc.session_factory.begin() as session:
-            session.execute(delete(Job).where(Job.id == job.id))
-        raise redis_unavailable() from None
-    logger.info("job %s queued: model %s, %d prompt tokens, max_tokens %d", job_id, job.model,
-                len(prompt_token_ids), job_request.params.max_tokens)
+    model = served_model(job_request.model)
+    prompt_text, prompt_token_ids = tokenize(model, job_request)
+    job, created = submit_job(job_request, prompt_text, prompt_token_ids,
+                              api_key_id=api_key_id, idempotency_key=_idempotency_key())
+    if not created:
+        return jsonify(job_to_dict(job)), 200
     response = jsonify(job_to_dict(job))
-    response.headers["Location"] = job_links(job_id)["self"]
+    response.headers["Location"] = job_links(str(job.id))["self"]
     return response, 202
 
 
@@ -141,13 +112,27 @@ def list_jobs() -> Response:
 @bp.post("/<job_id>/cancel")
 def cancel_job(job_id: str) -> tuple[Response, int]:
     """Cancel: a queued job at once; a running job by asking its worker (202)."""
-    svc = services()
     job = load_job(job_id)
     if job.status == JobStatus.CANCELLED.value:
         return jsonify(job_to_dict(job)), 200
     if is_terminal(job):
         raise APIError(409, "job_finished", f"job {job_id} already {job.status}; nothing to "
                        "cancel")
+    if cancel(services(), job):
+        return jsonify(job_to_dict(load_job(job_id))), 200
+    body = job_to_dict(load_job(job_id))
+    body["cancel_requested"] = True
+    return jsonify(body), 202
+
+
+def cancel(svc: Services, job: Job) -> bool:
+    """Cancel an unfinished job: True when it was still queued and is now cancelled,
+    False when its worker was asked to stop it (it ends `cancelled` shortly).
+
+    Takes the services explicitly so a streaming response can call it after its
+    request context is gone (a client that disconnected).
+    """
+    job_id = str(job.id)
     if job.status == JobStatus.QUEUED.value:
         now = utcnow()
         with svc.session_factory.begin() as session:
@@ -168,14 +153,63 @@ def cancel_job(job_id: str) -> tuple[Response, int]:
                 # The row is the truth; the event stream falls back to it (see events.py).
                 logger.warning("job %s cancelled but its terminal event was not published",
                                job_id)
+            record_queued_cancel(svc.redis, svc.settings, job.model)
             logger.info("job %s cancelled while queued", job_id)
-            return jsonify(job_to_dict(load_job(job_id))), 200
+            return True
         # it started meanwhile: ask its worker like any running job
-    _request_running_cancel(job_id)
+    pipe = svc.redis.pipeline(transaction=False)
+    # NOTE: the flag outlives a lease reclaim, so a requeued job is cancelled at its claim.
+    pipe.set(cancel_flag_key(svc.settings, job_id), b"1", ex=svc.settings.stream_ttl_seconds)
+    pipe.publish(cancel_channel(svc.settings), job_id)
+    pipe.execute()
     logger.info("job %s: cancel requested from its worker", job_id)
-    body = job_to_dict(load_job(job_id))
-    body["cancel_requested"] = True
-    return jsonify(body), 202
+    return False
+
+
+def submit_job(job_request: JobRequest, prompt_text: str | None, prompt_token_ids: list[int],
+               *, api_key_id: uuid.UUID | None,
+               idempotency_key: str | None = None) -> tuple[Job, bool]:
+    """Store a validated, tokenized job (queued) and send `generate` for it.
+
+    Returns `(job, created)`: `created` is False when `idempotency_key` names an existing
+    job of the same key, which is returned instead. Shared by `/v1/jobs` and the OpenAI
+    endpoints, so every request is the same kind of job. Raises APIError (503) when the
+    broker is unreachable; the row is removed again then.
+    """
+    svc = services()
+    if idempotency_key is not None:
+        existing = _find_idempotent(api_key_id, idempotency_key)
+        if existing is not None:
+            return existing, False
+    job = Job(
+        api_key_id=api_key_id, model=job_request.model, kind=job_request.kind.value,
+        prompt=prompt_text, messages=job_request.messages, prompt_token_ids=prompt_token_ids,
+        params=job_request.params_dict(), priority=job_request.priority,
+        idempotency_key=idempotency_key, status=JobStatus.QUEUED.value, attempts=0,
+        prompt_tokens=len(prompt_token_ids), created_at=utcnow(),
+    )
+    try:
+        with svc.session_factory.begin() as session:
+            session.add(job)
+    except sqlalchemy.exc.IntegrityError:
+        # NOTE: a concurrent request with the same Idempotency-Key won the insert.
+        existing = _find_idempotent(api_key_id, idempotency_key) if idempotency_key else None
+        if existing is None:
+            raise
+        return existing, False
+    job_id = str(job.id)
+    try:
+        send_generate(svc.celery, svc.settings, job_id, job.model)
+    except Exception:
+        # The row must not stay queued with no message to run it: take it back.
+        logger.warning("job %s: could not enqueue generate; removing the row", job_id,
+                       exc_info=True)
+        with svc.session_factory.begin() as session:
+            session.execute(delete(Job).where(Job.id == job.id))
+        raise redis_unavailable() from None
+    logger.info("job %s queued: model %s, %d prompt tokens, max_tokens %d", job_id, job.model,
+                len(prompt_token_ids), job_request.params.max_tokens)
+    return job, True
 
 
 def load_job(job_id: str) -> Job:
@@ -201,16 +235,7 @@ def _visible_job(session: Any, job_id: str, api_key_id: uuid.UUID | None) -> Job
     return job
 
 
-def _request_running_cancel(job_id: str) -> None:
-    svc = services()
-    pipe = svc.redis.pipeline(transaction=False)
-    # NOTE: the flag outlives a lease reclaim, so a requeued job is cancelled at its claim.
-    pipe.set(cancel_flag_key(svc.settings, job_id), b"1", ex=svc.settings.stream_ttl_seconds)
-    pipe.publish(cancel_channel(svc.settings), job_id)
-    pipe.execute()
-
-
-def _served_model(name: str) -> ServedModel:
+def served_model(name: str) -> ServedModel:
     try:
         return services().models.get(name)
     except UnknownModelError as exc:
@@ -220,7 +245,7 @@ def _served_model(name: str) -> ServedModel:
         raise APIError(503, "model_unavailable", str(exc), "model") from None
 
 
-def _tokenize(model: ServedModel, job_request: JobRequest) -> tuple[str | None, list[int]]:
+def tokenize(model: ServedModel, job_request: JobRequest) -> tuple[str | None, list[int]]:
     """(prompt text, prompt token ids), checked against the model's context length."""
     if job_request.messages is not None:
         try:

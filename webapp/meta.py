@@ -1,16 +1,21 @@
-"""Service endpoints: `/health` (liveness), `/health/ready`, `/v1/models`."""
+"""Service endpoints: `/health` (liveness), `/ready` (readiness; `/health/ready` is an
+alias), `/v1/models`."""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 from typing import Any
 
+import redis
+import sqlalchemy.exc
 from flask import Blueprint, Response, jsonify
 from sqlalchemy import text
 
 from tasks.model_registry import ModelLoadError
 from tasks.protocol import group_alive_key, groups_key
+from webapp.errors import APIError
 from webapp.services import services
 
 logger = logging.getLogger(__name__)
@@ -24,21 +29,70 @@ def health() -> Response:
     return jsonify({"status": "ok", "models": services().models.names()})
 
 
+@bp.get("/ready")
 @bp.get("/health/ready")
-def ready() -> Response:
-    """Ready when Postgres and Redis answer; a 503 naming what is down otherwise."""
+def ready() -> tuple[Response, int]:
+    """Ready when the database and Redis answer and every served model has a live device
+    group; otherwise a 503 whose `missing` names each part that is not there."""
     svc = services()
-    with svc.session_factory() as session:
-        session.execute(text("SELECT 1"))
-    svc.redis.ping()
-    return jsonify({"status": "ready"})
+    missing: list[str] = []
+    checks: dict[str, Any] = {}
+    try:
+        with svc.session_factory() as session:
+            session.execute(text("SELECT 1"))
+        checks["database"] = "ok"
+    except sqlalchemy.exc.SQLAlchemyError as exc:
+        logger.warning("readiness: database unreachable: %s", exc)
+        checks["database"] = "unreachable"
+        missing.append("database (check LLMQ_DATABASE_URL)")
+    live: dict[str, list[dict[str, Any]]] = {}
+    try:
+        svc.redis.ping()
+        checks["redis"] = "ok"
+        live = _live_groups(svc.models.names())
+    except redis.RedisError as exc:
+        logger.warning("readiness: redis unreachable: %s", exc)
+        checks["redis"] = "unreachable"
+        missing.append("redis (check LLMQ_REDIS_URL)")
+    if checks["redis"] == "ok":
+        checks["workers"] = {name: len(groups) for name, groups in live.items()}
+        for name, groups in live.items():
+            if not groups:
+                missing.append(f"a live worker for model {name!r} (start `llmq worker "
+                               f"--model-name {name}`)")
+    if missing:
+        error = APIError(503, "not_ready", "not ready; missing: " + "; ".join(missing))
+        return jsonify({"error": {"type": error.type, "message": error.message, "param": None,
+                                  "code": error.code},
+                        "status": "unavailable", "missing": missing, "checks": checks}), 503
+    return jsonify({"status": "ready", "checks": checks}), 200
 
 
 @bp.get("/v1/models")
 def list_models() -> Response:
-    """Served models with their context length and live device groups (from heartbeats)."""
+    """Served models (OpenAI's list shape) with their checkpoint, context length and live
+    device groups (from heartbeats)."""
     svc = services()
     names = svc.models.names()
+    live = _live_groups(names)
+    data = []
+    for name in names:
+        try:
+            max_model_len: int | None = svc.models.max_model_len(name)
+        except ModelLoadError as exc:
+            logger.error("model %s: %s", name, exc)
+            max_model_len = None
+        root = svc.settings.models[name]
+        data.append({"id": name, "object": "model", "created": _created(root),
+                     "owned_by": "llmq", "root": root, "parent": None,
+                     "max_model_len": max_model_len, "groups": live[name],
+                     "num_live_groups": len(live[name])})
+    return jsonify({"object": "list", "data": data})
+
+
+def _live_groups(names: list[str]) -> dict[str, list[dict[str, Any]]]:
+    """Per model: the heartbeats of its device groups whose alive key still exists."""
+    svc = services()
     pipe = svc.redis.pipeline(transaction=False)
     for name in names:
         pipe.hgetall(groups_key(svc.settings, name))
@@ -49,18 +103,17 @@ def list_models() -> Response:
     for name, group_id in candidates:
         pipe.exists(group_alive_key(svc.settings, name, group_id))
     alive = {candidate for candidate, exists in zip(candidates, pipe.execute()) if exists}
-    data = []
-    for name, groups in zip(names, heartbeats):
-        try:
-            max_model_len: int | None = svc.models.max_model_len(name)
-        except ModelLoadError as exc:
-            logger.error("model %s: %s", name, exc)
-            max_model_len = None
-        live = [_group(group_id.decode(), raw) for group_id, raw in sorted(groups.items())
-                if (name, group_id.decode()) in alive]
-        data.append({"id": name, "object": "model", "owned_by": "llmq",
-                     "max_model_len": max_model_len, "groups": live, "num_live_groups": len(live)})
-    return jsonify({"object": "list", "data": data})
+    return {name: [_group(group_id.decode(), raw) for group_id, raw in sorted(groups.items())
+                   if (name, group_id.decode()) in alive]
+            for name, groups in zip(names, heartbeats)}
+
+
+def _created(path: str) -> int:
+    """The checkpoint's modification time (unix seconds), 0 when unreadable."""
+    try:
+        return int(os.stat(os.path.join(path, "config.json")).st_mtime)
+    except OSError:
+        return 0
 
 
 def _group(group_id: str, raw: bytes) -> dict[str, Any]:

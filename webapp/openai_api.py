@@ -1,0 +1,316 @@
+"""OpenAI-compatible endpoints: `POST /v1/completions` and `POST /v1/chat/completions`.
+
+A second face of the same jobs: each request is validated, tokenized and stored as a job
+through `webapp.jobs.submit_job` (a row in the database, a `generate` message), and its
+answer comes from the job's event stream and row. So every OpenAI request is also visible
+at `/v1/jobs/<id>` (the response id is `cmpl-<job id hex>`, and the `X-Llmq-Job-Id`
+header carries the job id).
+
+Streaming answers are OpenAI's server-sent chunks ending with `data: [DONE]`. A client
+that disconnects from a stream cancels its job (the generator is closed by the server).
+A non-streaming request waits for the job to end, up to `settings.request_timeout_seconds`
+(then the job is cancelled and the answer is a 504).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from flask import Blueprint, Response, request, stream_with_context
+
+from tasks.models import Job, JobKind, JobStatus
+from tasks.protocol import EventType, JobEvent
+from tasks.schema import SchemaError
+from webapp.auth import current_api_key_id
+from webapp.errors import APIError
+from webapp.events import terminal_event_from_row
+from webapp.jobs import cancel, served_model, submit_job, tokenize
+from webapp.openai_format import (
+    ChoiceLogprobs,
+    OpenAIRequest,
+    chat_logprobs,
+    completion_logprobs,
+    parse_openai_request,
+    usage_dict,
+)
+from webapp.services import Services, services
+
+logger = logging.getLogger(__name__)
+
+bp = Blueprint("openai", __name__, url_prefix="/v1")
+
+STREAM_PING_SECONDS = 1.0  # idle tick: keep-alive comment, deadline and row checks
+# a row that is terminal with no terminal event on the stream this long ends the wait
+MISSING_TERMINAL_GRACE_SECONDS = 2.0
+
+
+@dataclass(slots=True)
+class Answer:
+    """What every chunk and the final object of one request share."""
+
+    kind: JobKind
+    id: str  # cmpl-<hex> / chatcmpl-<hex>
+    created: int  # unix seconds
+    model: str
+    n: int
+    echo_text: str | None  # completions with echo: the prompt text
+    num_logprobs: int | None
+    include_usage: bool
+    decode: Callable[[int], str]  # one token id -> its text
+
+    @property
+    def object(self) -> str:
+        return "text_completion" if self.kind is JobKind.COMPLETION else "chat.completion"
+
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None,
+              with_usage_field: bool = True) -> str:
+        body: dict[str, Any] = {
+            "id": self.id,
+            "object": "text_completion" if self.kind is JobKind.COMPLETION
+            else "chat.completion.chunk",
+            "created": self.created, "model": self.model, "choices": choices,
+        }
+        if self.include_usage and with_usage_field:
+            body["usage"] = usage
+        return "data: " + json.dumps(body, separators=(",", ":")) + "\n\n"
+
+    def logprobs(self, lp: ChoiceLogprobs, text_offset: int) -> dict[str, Any] | None:
+        if self.num_logprobs is None:
+            return None
+        if self.kind is JobKind.COMPLETION:
+            return completion_logprobs(lp, self.decode, text_offset)
+        return chat_logprobs(lp, self.decode)
+
+
+@bp.post("/completions")
+def completions() -> Response:
+    """OpenAI completions (`prompt`), stream or not."""
+    return _serve(JobKind.COMPLETION)
+
+
+@bp.post("/chat/completions")
+def chat_completions() -> Response:
+    """OpenAI chat completions (`messages`), stream or not."""
+    return _serve(JobKind.CHAT)
+
+
+def _serve(kind: JobKind) -> Response:
+    svc = services()
+    api_key_id = current_api_key_id()
+    body = request.get_json(force=True, silent=True)
+    if body is None:
+        raise APIError(400, "invalid_json", "the request body must be JSON (Content-Type: "
+                       "application/json) holding an object")
+    try:
+        req = parse_openai_request(body, kind, max_n=svc.settings.max_n)
+    except SchemaError as exc:
+        raise APIError(400, "invalid_value", exc.message, exc.param) from None
+    model = served_model(req.job.model)
+    prompt_text, prompt_token_ids = tokenize(model, req.job)
+    if req.fill_max_tokens:
+        req.job.params.max_tokens = max(req.job.params.min_tokens, 1,
+                                        model.max_model_len - len(prompt_token_ids))
+    job, _ = submit_job(req.job, prompt_text, prompt_token_ids, api_key_id=api_key_id)
+    tokenizer = model.tokenizer
+    echo_text = None
+    if req.echo:
+        echo_text = prompt_text if prompt_text is not None else tokenizer.decode(prompt_token_ids)
+    answer = Answer(
+        kind=kind, id=("cmpl-" if kind is JobKind.COMPLETION else "chatcmpl-") + job.id.hex,
+        created=int(job.created_at.timestamp()), model=job.model, n=req.job.params.n,
+        echo_text=echo_text, num_logprobs=req.num_logprobs, include_usage=req.include_usage,
+        decode=lambda token_id: tokenizer.decode([token_id]),
+    )
+    headers = {"X-Llmq-Job-Id": str(job.id)}
+    if req.stream:
+        stream = _stream(svc, job, answer)
+        response = Response(stream_with_context(stream), mimetype="text/event-stream",
+                            headers=headers)
+        response.headers["Cache-Control"] = "no-cache"
+        response.headers["X-Accel-Buffering"] = "no"
+        return response
+    body = _wait_and_answer(svc, job, answer, req)
+    return Response(json.dumps(body, separators=(",", ":")), mimetype="application/json",
+                    headers=headers)
+
+
+# --- events ------------------------------------------------------------------------------
+
+
+def _job_events(svc: Services, job_id: str) -> Iterator[JobEvent | None]:
+    """The job's events up to the terminal one; `None` every idle STREAM_PING_SECONDS.
+
+    Ends from the row when the row is terminal but the stream never gets a terminal
+    event (a lost publish), as the jobs SSE view does.
+    """
+    terminal_seen_at: float | None = None
+    for item in svc.subscriber.iter_events(job_id, heartbeat_seconds=STREAM_PING_SECONDS):
+        if item is not None:
+            yield item[1]
+            continue
+        yield None
+        row = _reload(svc, job_id)
+        if row is None or not JobStatus(row.status).is_terminal:
+            terminal_seen_at = None
+        elif terminal_seen_at is None:
+            terminal_seen_at = time.monotonic()
+        elif time.monotonic() - terminal_seen_at >= MISSING_TERMINAL_GRACE_SECONDS:
+            logger.warning("job %s is %s without a terminal event; answering from the row",
+                           job_id, row.status)
+            yield terminal_event_from_row(row)
+            return
+
+
+def _reload(svc: Services, job_id: str) -> Job | None:
+    with svc.session_factory() as session:
+        return session.get(Job, uuid.UUID(job_id))
+
+
+def _error_body(message: str, code: str) -> dict[str, Any]:
+    return {"error": {"type": "server_error", "message": message, "param": None, "code": code}}
+
+
+# --- non-streaming -------------------------------------------------------------------------
+
+
+def _wait_and_answer(svc: Services, job: Job, answer: Answer,
+                     req: OpenAIRequest) -> dict[str, Any]:
+    job_id = str(job.id)
+    deadline = time.monotonic() + svc.settings.request_timeout_seconds
+    logprobs = [ChoiceLogprobs() for _ in range(answer.n)]
+    terminal: JobEvent | None = None
+    for event in _job_events(svc, job_id):
+        if time.monotonic() > deadline:
+            _cancel_quietly(svc, job_id)
+            raise APIError(504, "timeout", f"job {job_id} did not finish within "
+                           f"{svc.settings.request_timeout_seconds:.0f}s and was cancelled; "
+                           "lower max_tokens, or use stream: true or the jobs API "
+                           "(/v1/jobs) for long generations")
+        if event is None:
+            continue
+        if event.type is EventType.RESTART:
+            logprobs = [ChoiceLogprobs() for _ in range(answer.n)]
+        elif event.type is EventType.TOKEN and event.logprobs and event.index < answer.n:
+            logprobs[event.index].extend(event.logprobs)
+        elif event.type.is_terminal:
+            terminal = event
+            break
+    row = _reload(svc, job_id) or job
+    if row.status == JobStatus.FAILED.value:
+        raise APIError(500, "job_failed", f"job {job_id} failed: {row.error or 'unknown error'}",
+                       type="server_error")
+    outputs = {int(o.get("index", 0)): o for o in (row.output or [])}
+    choices = []
+    for i in range(answer.n):
+        output = outputs.get(i, {})
+        text = output.get("text", "")
+        finish_reason = output.get("finish_reason") or row.finish_reason
+        prefix = answer.echo_text or ""
+        choice: dict[str, Any] = {"index": i}
+        if answer.kind is JobKind.COMPLETION:
+            choice["text"] = prefix + text
+        else:
+            choice["message"] = {"role": "assistant", "content": text}
+        choice["logprobs"] = answer.logprobs(logprobs[i], len(prefix))
+        choice["finish_reason"] = finish_reason
+        choices.append(choice)
+    usage = terminal.usage if terminal is not None and terminal.usage else {
+        "prompt_tokens": row.prompt_tokens or 0, "completion_tokens": row.completion_tokens or 0,
+        "cached_tokens": row.cached_tokens or 0}
+    return {"id": answer.id, "object": answer.object, "created": answer.created,
+            "model": answer.model, "choices": choices, "usage": usage_dict(usage),
+            "system_fingerprint": None}
+
+
+# --- streaming -----------------------------------------------------------------------------
+
+
+def _stream(svc: Services, job: Job, answer: Answer) -> Iterator[str]:
+    """OpenAI chunks of the job; closing this generator early cancels the job."""
+    job_id = str(job.id)
+    finished = False
+    n = answer.n
+    try:
+        if answer.kind is JobKind.CHAT:
+            yield answer.chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                 "logprobs": None, "finish_reason": None} for i in range(n)])
+        offsets = [0] * n
+        if answer.echo_text:
+            yield answer.chunk([{"index": i, "text": answer.echo_text, "logprobs": None,
+                                 "finish_reason": None} for i in range(n)])
+            offsets = [len(answer.echo_text)] * n
+        sent = [0] * n  # characters sent per choice
+        produced = [0] * n  # characters of the current attempt per choice
+        for event in _job_events(svc, job_id):
+            if event is None:
+                yield ": ping\n\n"  # also how a closed connection is noticed
+                continue
+            if event.type is EventType.RESTART:
+                # NOTE: the job starts over elsewhere. What was sent cannot be taken back,
+                # so the new attempt's text is sent only past what the client already has
+                # (exact for greedy or seeded sampling, which repeats itself).
+                logger.info("job %s restarted while streaming to an OpenAI client", job_id)
+                produced = [0] * n
+                continue
+            if event.type is EventType.TOKEN:
+                i = event.index
+                if i >= n:
+                    continue
+                start = produced[i]
+                produced[i] += len(event.text)
+                text = event.text[max(0, sent[i] - start):]
+                if not text and sent[i] > start:
+                    continue  # a replay of what the client has
+                sent[i] = max(sent[i], produced[i])
+                lp = ChoiceLogprobs()
+                lp.extend(event.logprobs)
+                choice: dict[str, Any] = {"index": i}
+                if answer.kind is JobKind.COMPLETION:
+                    choice["text"] = text
+                else:
+                    choice["delta"] = {"content": text}
+                choice["logprobs"] = answer.logprobs(lp, offsets[i])
+                choice["finish_reason"] = None
+                offsets[i] += sum(len(answer.decode(t)) for t in lp.token_ids)
+                yield answer.chunk([choice])
+                continue
+            # the terminal event
+            finished = True
+            if event.type is EventType.ERROR:
+                yield "data: " + json.dumps(_error_body(
+                    f"job {job_id} failed: {event.error or 'unknown error'}", "job_failed")) + "\n\n"
+                yield "data: [DONE]\n\n"
+                return
+            row = _reload(svc, job_id)
+            reasons = {int(o.get("index", 0)): o.get("finish_reason")
+                       for o in ((row.output if row is not None else None) or [])}
+            for i in range(n):
+                reason = reasons.get(i) or event.finish_reason
+                empty: dict[str, Any] = ({"text": ""} if answer.kind is JobKind.COMPLETION
+                                         else {"delta": {}})
+                yield answer.chunk([{"index": i, **empty, "logprobs": None,
+                                     "finish_reason": reason}])
+            if answer.include_usage:
+                yield answer.chunk([], usage_dict(event.usage))
+            yield "data: [DONE]\n\n"
+            return
+    finally:
+        if not finished:
+            # the client went away (or the server is stopping): nobody reads this job
+            logger.info("job %s: stream closed before the end; cancelling the job", job_id)
+            _cancel_quietly(svc, job_id)
+
+
+def _cancel_quietly(svc: Services, job_id: str) -> None:
+    try:
+        row = _reload(svc, job_id)
+        if row is not None and not JobStatus(row.status).is_terminal:
+            cancel(svc, row)
+    except Exception:
+        logger.warning("job %s: could not cancel after the client left", job_id, exc_info=True)
