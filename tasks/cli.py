@@ -103,6 +103,30 @@ def build_parser() -> argparse.ArgumentParser:
                       help="do nothing when OUT_DIR already holds a checkpoint (config.json)")
     make.set_defaults(handler=cmd_make_model)
 
+    up = sub.add_parser("up", help="run the whole stack on this machine (embedded Redis, "
+                        "SQLite, one CPU worker, beat, the API)",
+                        description="Run everything on one machine: SQLite in the state "
+                        "directory (unless --database-url / LLMQ_DATABASE_URL), an embedded "
+                        "Redis (unless --redis-url / LLMQ_REDIS_URL), one CPU worker, beat "
+                        "and the API. Without --model, a small random demo checkpoint is "
+                        "created on first run. Ctrl-C stops everything.")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=8000)
+    up.add_argument("--state-dir", default=".llmq",
+                    help="database, Redis data, demo model and logs (default ./.llmq)")
+    up.add_argument("--model", metavar="DIR", help="checkpoint directory to serve")
+    up.add_argument("--model-name", help="served name (default: the directory's name, or "
+                    "demo)")
+    up.add_argument("--demo-preset", default="small", choices=["tiny", "small"],
+                    help="size of the demo checkpoint created without --model")
+    up.add_argument("--database-url", help="default: sqlite:///<state dir>/llmq.db")
+    up.add_argument("--redis-url", help="default: an embedded Redis on --redis-port")
+    up.add_argument("--redis-port", type=int, help="port of the embedded Redis (default: free)")
+    up.add_argument("--web-threads", type=int, default=32)
+    up.add_argument("--ready-timeout", type=float, default=300.0,
+                    help="seconds to wait for the worker to load the model")
+    up.set_defaults(handler=cmd_up)
+
     # `llmq worker ...` is handed whole to workers.worker.main (see main()); listed for --help
     sub.add_parser("worker", help="run a device-group worker (see `llmq worker --help`)")
 
@@ -143,6 +167,12 @@ def cmd_web(args: argparse.Namespace) -> int:
                 args.workers, args.threads)
     os.execv(sys.executable, command)  # gunicorn takes over this process and its signals
     return 0  # not reached
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from tasks.embedded import run_up
+
+    return run_up(args)
 
 
 def cmd_beat(args: argparse.Namespace) -> int:

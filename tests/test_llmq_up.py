@@ -1,0 +1,101 @@
+"""`llmq up` on a fresh machine: no Redis or database given, so it starts the embedded
+Redis and uses SQLite in its state directory; a completion works over HTTP; SIGTERM
+stops every process it started."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.fixtures_services import free_port
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parent.parent
+READY_LINE = "llmq is ready at "
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live process below `pid` (from /proc)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            status = (entry / "status").read_text()
+        except OSError:
+            continue
+        ppid = int(next(line.split()[1] for line in status.splitlines()
+                        if line.startswith("PPid:")))
+        parents.setdefault(ppid, []).append(int(entry.name))
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _gone(pid: int) -> bool:
+    """Exited and waited on (a zombie still has its /proc entry: nobody reaped it)."""
+    return not Path(f"/proc/{pid}").exists()
+
+
+def test_llmq_up_serves_a_completion_and_stops_cleanly(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMQ_")}
+    env["PYTHONPATH"] = str(REPO)
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tasks.cli", "up", "--state-dir", str(tmp_path / "state"),
+         "--port", str(port), "--demo-preset", "tiny"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in process.stdout],
+                     daemon=True).start()
+    output: list[str] = []
+    try:
+        deadline = time.monotonic() + 90
+        while not any("Ctrl-C stops everything" in line for line in output):
+            assert process.poll() is None, "llmq up exited:\n" + "".join(output)
+            assert time.monotonic() < deadline, "no ready line:\n" + "".join(output)
+            try:
+                output.append(lines.get(timeout=1))
+            except queue.Empty:
+                pass
+        text = "".join(output)
+        assert READY_LINE in text and "creating a tiny demo checkpoint" in text
+        assert "embedded Redis" in text
+        assert f"curl http://127.0.0.1:{port}/v1/completions" in text
+        assert (tmp_path / "state" / "llmq.db").exists()  # SQLite in the state dir
+
+        base = f"http://127.0.0.1:{port}"
+        response = requests.post(f"{base}/v1/completions", timeout=60, json={
+            "model": "demo", "prompt": "hello", "max_tokens": 5, "temperature": 0.0,
+            "ignore_eos": True})
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert body["choices"][0]["text"] and body["usage"]["completion_tokens"] == 5
+        ready = requests.get(f"{base}/ready", timeout=30)
+        assert ready.status_code == 200 and ready.json()["checks"]["workers"] == {"demo": 1}
+
+        children = _descendants(process.pid)
+        assert len(children) >= 4  # redis, worker, beat, web (+ gunicorn's worker)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 0, "".join(output)
+        still_there = {pid for pid in children if not _gone(pid)}
+        assert not still_there, f"processes left behind: {still_there}"
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
