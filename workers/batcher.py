@@ -28,13 +28,15 @@ from datetime import datetime
 from typing import Any
 
 from tasks.db import utcnow
+from tasks.metrics import JobFigures, WorkerMetrics
 from tasks.models import JobStatus
 from tasks.params import SamplingParams
 from tasks.protocol import EventType, JobEvent
 from workers.db_writer import DbWriter
-from workers.step_publisher import StepPublisher
+from workers.job_rows import JobResult
 from workers.job_state import JobState
 from workers.outputs import CompletionDelta
+from workers.step_publisher import StepPublisher
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +53,8 @@ class AdmittedJob:
     params: SamplingParams
     priority: int = 0
     attempt: int = 1  # this claim's number (jobs.attempts after the claim)
+    created_at: float | None = None  # unix seconds the API stored the job (metrics)
+    claimed_at: float | None = None  # unix seconds this group claimed it (metrics)
 
 
 @dataclass(slots=True)
@@ -103,6 +107,8 @@ class Batcher:
         self._first_tokens: list[JobState] = []  # results to hand over after this step's events
         self.aborted: list[AdmittedJob] = []  # set when the loop ends: jobs given back
         self._publisher = StepPublisher(publish, writer.finish)
+        # figures of finished jobs; the heartbeat writes them to Redis (no I/O here)
+        self.metrics = WorkerMetrics()
         self._thread = threading.Thread(target=self._run, name="llmq-batcher", daemon=True)
 
     # -- other threads -------------------------------------------------------------------
@@ -318,7 +324,10 @@ class Batcher:
     def _emit(self, events: list[tuple[str, JobEvent]]) -> None:
         """Queue this step's events (one publish call) and then its finished results."""
         finished, self._finished = self._finished, []
-        self._publisher.submit(events, [state.result() for state in finished])
+        results = [state.result() for state in finished]
+        self._publisher.submit(events, results)
+        for state, result in zip(finished, results):
+            self.metrics.observe_job(_job_figures(state, result))
         if finished:
             with self._cv:
                 self._active_samples -= sum(max(1, s.job.params.n) for s in finished)
@@ -365,3 +374,14 @@ class Batcher:
             return
         self._engine_stats = asdict(stats) if is_dataclass(stats) else dict(vars(stats))
         self._stats_at = time.time()
+
+
+def _job_figures(state: JobState, result: JobResult) -> JobFigures:
+    first = state.first_token_at
+    return JobFigures(
+        status=result.status.value, num_prompt_tokens=result.prompt_tokens,
+        num_completion_tokens=result.completion_tokens, num_samples=len(result.output) or 1,
+        created_at=state.job.created_at, claimed_at=state.job.claimed_at,
+        first_token_at=first.timestamp() if first is not None else None,
+        finished_at=result.finished_at.timestamp(),
+    )

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from tasks.metrics import WorkerMetrics
 from tasks.protocol import group_alive_key, groups_key
 
 logger = logging.getLogger(__name__)
@@ -49,12 +50,14 @@ class Heartbeat:
         load: Callable[[], dict[str, Any]],
         *,
         interval: float = 2.0,
+        metrics: WorkerMetrics | None = None,
     ) -> None:
         self.redis = redis
         self.settings = settings
         self.identity = identity
         self.load = load
         self.interval = interval
+        self.metrics = metrics  # the batcher's figures, written with each beat
         self.draining = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="llmq-heartbeat", daemon=True)
@@ -69,6 +72,8 @@ class Heartbeat:
         self._thread.join(self.interval + 5.0)
         try:
             pipe = self.redis.pipeline(transaction=False)
+            if self.metrics is not None:  # the figures of the last jobs (drain)
+                self.metrics.write(pipe, self.settings, self.identity.model)
             pipe.hdel(groups_key(self.settings, self.identity.model), self.identity.group_id)
             pipe.delete(self._alive_key())
             pipe.execute()
@@ -84,12 +89,23 @@ class Heartbeat:
         return figures
 
     def beat(self) -> None:
-        payload = json.dumps(self.figures(), separators=(",", ":"))
+        figures = self.figures()
+        payload = json.dumps(figures, separators=(",", ":"))
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(groups_key(self.settings, self.identity.model), self.identity.group_id,
                   payload)
         pipe.set(self._alive_key(), payload, ex=max(1, int(self.interval * 3 + 0.999)))
-        pipe.execute()
+        written = None
+        if self.metrics is not None:
+            # NOTE: the service counters ride on this pipeline: no extra round trip
+            self.metrics.observe_engine(figures)
+            written = self.metrics.write(pipe, self.settings, self.identity.model)
+        try:
+            pipe.execute()
+        except Exception:
+            if written is not None:
+                self.metrics.restore(written)  # type: ignore[union-attr]
+            raise
 
     def _alive_key(self) -> str:
         return group_alive_key(self.settings, self.identity.model, self.identity.group_id)

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import UTC, timedelta
 from enum import Enum
 from typing import Any
 
@@ -147,7 +148,7 @@ class JobAdmission:
                 error=None,
             )
             .returning(Job.prompt, Job.prompt_token_ids, Job.params, Job.priority,
-                       Job.attempts)
+                       Job.attempts, Job.created_at)
         )
         with self.session_factory.begin() as session:
             return session.execute(statement).first()
@@ -182,5 +183,8 @@ def _admitted_job(job_id: str, row: Any, attempt: int) -> AdmittedJob:
         prompt = str(row.prompt)
     else:
         raise ValueError("the job has neither a prompt nor prompt token ids")
+    created = row.created_at  # (SQLite returns it naive; it is UTC)
     return AdmittedJob(job_id=job_id, prompt=prompt, params=params,
-                       priority=int(row.priority or 0), attempt=attempt)
+                       priority=int(row.priority or 0), attempt=attempt,
+                       created_at=created.replace(tzinfo=created.tzinfo or UTC).timestamp()
+                       if created is not None else None, claimed_at=time.time())

@@ -93,7 +93,7 @@ class GroupRuntime:
             max_num_batched_tokens=s.max_num_batched_tokens, block_size=s.block_size,
         )
         self.heartbeat = Heartbeat(self.redis, s, identity, self._load,
-                                   interval=self.heartbeat_seconds)
+                                   interval=self.heartbeat_seconds, metrics=self.batcher.metrics)
         self.writer.start()
         self.batcher.start()
         self.cancels.start()
