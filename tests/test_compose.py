@@ -50,3 +50,22 @@ def test_service_command_is_a_real_entry_point(service: str) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "usage:" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "service", ["migrate", "model", "web", "worker", "beat"],
+)
+def test_service_command_flags_are_accepted(service: str) -> None:
+    """The whole argv, flags included, parses with the parser that will run it."""
+    from tasks.cli import build_parser
+
+    argv = _compose_config()["services"][service]["command"][1:]
+    if argv[0] == "worker":
+        # `llmq worker ...` is handed whole to the worker's own parser
+        from workers.worker import build_parser as worker_parser
+
+        args = worker_parser().parse_args(argv[1:])
+        assert args.model_name and args.model_dir, argv
+        return
+    args = build_parser().parse_args(argv)
+    assert callable(args.handler), argv
