@@ -21,12 +21,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
+import torch
 
-from tasks.params import SamplingParams  # noqa: E402
-from workers.loader import load_checkpoint  # noqa: E402
-from workers.model_runner import ModelRunner  # noqa: E402
-from workers.step_io import ScheduledSequence, SchedulerOutput  # noqa: E402
+from tasks.params import SamplingParams
+from workers.loader import load_checkpoint
+from workers.model_runner import ModelRunner
+from workers.step_io import ScheduledSequence, SchedulerOutput
 
 BLOCK_SIZE = 16
 

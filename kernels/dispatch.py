@@ -13,7 +13,7 @@ The first lookup of each (name, device type) logs which implementation was chose
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 

@@ -43,8 +43,7 @@ def test_silu_and_mul():
 ])
 def test_rotary_equals_hf(scaling):
     from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
     head_dim, theta = 32, 500_000.0
     extra = {"rope_scaling": dict(scaling)} if scaling else {}

@@ -102,21 +102,21 @@ def _train_tokenizer(out_dir: Path, vocab_size: int) -> tuple[dict[str, int], in
 def _hf_config(arch: str, p: Preset, ids: dict[str, int], tie: bool, rope_scaling: bool):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-    common = dict(
-        hidden_size=p.hidden_size,
-        num_hidden_layers=p.num_layers,
-        num_attention_heads=p.num_heads,
-        num_key_value_heads=p.num_kv_heads,
-        intermediate_size=p.intermediate_size,
-        vocab_size=p.vocab_size,
-        max_position_embeddings=p.max_position_embeddings,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=tie,
-        bos_token_id=ids["<|endoftext|>"],
-        eos_token_id=ids["<|im_end|>"],
-        pad_token_id=ids["<|endoftext|>"],
-        initializer_range=p.init_std,
-    )
+    common = {
+        "hidden_size": p.hidden_size,
+        "num_hidden_layers": p.num_layers,
+        "num_attention_heads": p.num_heads,
+        "num_key_value_heads": p.num_kv_heads,
+        "intermediate_size": p.intermediate_size,
+        "vocab_size": p.vocab_size,
+        "max_position_embeddings": p.max_position_embeddings,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": tie,
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": ids["<|im_end|>"],
+        "pad_token_id": ids["<|endoftext|>"],
+        "initializer_range": p.init_std,
+    }
     if arch == "qwen3":
         return Qwen3Config(head_dim=p.head_dim, rope_theta=1_000_000.0, **common)
     if arch == "qwen2":
@@ -169,16 +169,15 @@ def make_model(
     (e.g. "200KB") writes a sharded checkpoint with a `model.safetensors.index.json`.
     """
     import torch
-    from transformers import GenerationConfig, LlamaForCausalLM, Qwen2ForCausalLM
-    from transformers import Qwen3ForCausalLM
+    from transformers import GenerationConfig, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     if rope_scaling and arch != "llama":
         raise ValueError("rope_scaling=True is only offered for arch='llama'")
-    torch_dtype = getattr(torch, dtype, None)
-    if not isinstance(torch_dtype, torch.dtype):
+    if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
+    torch_dtype = getattr(torch, dtype)
     p = PRESETS[preset]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

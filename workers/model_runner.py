@@ -8,7 +8,7 @@ only for the last token of each sequence that samples this step.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -8,7 +8,7 @@ place in `forward` (all-reduce after a row-parallel matmul, all-gather of logits
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
