@@ -50,6 +50,7 @@ def assert_engine_empty(engine: Engine) -> None:
     assert engine.num_running == engine.num_waiting == 0
     assert engine.kv_manager.num_free_blocks == engine.num_blocks
     assert not engine.scheduler.seqs and not engine.scheduler.deferred
+    assert not engine.kv_manager._seqs
     assert not engine._requests
 
 
