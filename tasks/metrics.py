@@ -21,7 +21,7 @@ from __future__ import annotations
 import bisect
 import logging
 import threading
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,7 +76,7 @@ class WorkerMetrics:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()  # HINCRBY fields
-        self._sums: Counter[str] = Counter()  # HINCRBYFLOAT fields (histogram sums)
+        self._sums: dict[str, float] = defaultdict(float)  # HINCRBYFLOAT fields (sums)
         self._last_engine: dict[str, int] = {}
 
     def observe_job(self, job: JobFigures) -> None:
@@ -110,29 +110,30 @@ class WorkerMetrics:
                 self._counts[name] += value - last if value >= last else value
                 self._last_engine[name] = value
 
-    def write(self, pipe: Any, settings: Settings, model: str) -> tuple[Counter[str],
-                                                                       Counter[str]]:
+    def write(self, pipe: Any, settings: Settings,
+              model: str) -> tuple[Counter[str], dict[str, float]]:
         """Queue the buffered increments on `pipe` and empty the buffer.
 
         Returns what was queued: give it to `restore` if the pipeline fails.
         """
         with self._lock:
             counts, sums = self._counts, self._sums
-            self._counts, self._sums = Counter(), Counter()
+            self._counts, self._sums = Counter(), defaultdict(float)
         key = metrics_key(settings, model)
         for name, value in counts.items():
             if value:
                 pipe.hincrby(key, name, value)
-        for name, value in sums.items():
-            if value:
-                pipe.hincrbyfloat(key, name, value)
+        for name, seconds in sums.items():
+            if seconds:
+                pipe.hincrbyfloat(key, name, seconds)
         return counts, sums
 
-    def restore(self, written: tuple[Counter[str], Counter[str]]) -> None:
+    def restore(self, written: tuple[Counter[str], dict[str, float]]) -> None:
         """Put back increments whose pipeline failed; the next beat writes them."""
         with self._lock:
             self._counts.update(written[0])
-            self._sums.update(written[1])
+            for name, value in written[1].items():
+                self._sums[name] += value
 
     def _observe(self, histogram: str, seconds: float, count: int = 1) -> None:
         seconds = max(0.0, seconds)

@@ -114,7 +114,7 @@ class RedisCollector:
         yield finished
 
         for prefix, (name, help_text) in HISTOGRAMS.items():
-            family = HistogramMetricFamily(name, help_text, labels=["model_name"])
+            histogram = HistogramMetricFamily(name, help_text, labels=["model_name"])
             bounds = HISTOGRAM_BUCKETS[prefix]
             for model in models:
                 values = hashes[model]
@@ -123,8 +123,9 @@ class RedisCollector:
                     cumulative += float(values.get(bucket_field(prefix, index), 0))
                     buckets.append(("+Inf" if bound == float("inf") else repr(bound),
                                     cumulative))
-                family.add_metric([model], buckets, float(values.get(prefix + ":sum", 0.0)))
-            yield family
+                histogram.add_metric([model], buckets,
+                                     float(values.get(prefix + ":sum", 0.0)))
+            yield histogram
 
     def _read(self, models: list[str]) -> tuple[dict[str, dict[str, str]],
                                                  dict[str, dict[str, dict[str, Any]]]]:
