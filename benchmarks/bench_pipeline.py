@@ -1,0 +1,403 @@
+"""End-to-end job pipeline benchmark: HTTP + Celery + Redis + Postgres vs the bare engine.
+
+    python benchmarks/bench_pipeline.py [--preset small] [--num-jobs 64] [--max-tokens 128]
+
+In one run, on one random checkpoint (written with `workers.make_model`):
+
+1. offline: the engine alone (`Engine.from_checkpoint`, same config as the worker) runs
+   the workload, every request added at once: output tokens/s;
+2. pipeline: gunicorn serving the API (gthread), one device-group worker process, real
+   Postgres and Redis; `--num-jobs` clients each POST a job and read its SSE stream to
+   the end, all concurrently: output tokens/s from the first POST to the last terminal
+   event, and per-token delivery latency = SSE client receive time - the batcher's publish
+   time (`ts` of the token event; same host, same clock);
+3. submissions/s: `--submit-jobs` POSTs from `--submit-threads` threads for a model no
+   worker serves (the rows stay queued; only the API, Postgres and the broker are timed).
+
+Uses the Postgres and Redis this machine runs (a throwaway database and key prefix,
+removed at the end). Prints a Markdown table and, with --json, the raw figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import selectors
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import requests
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tasks.db import upgrade_database  # noqa: E402
+from tasks.protocol import groups_key  # noqa: E402
+from tasks.redis_client import make_redis  # noqa: E402
+from tasks.settings import Settings  # noqa: E402
+from tests.pipeline_helpers import worker_env  # noqa: E402
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="small", help="workers.make_model preset")
+    p.add_argument("--num-jobs", type=int, default=64, help="concurrent jobs (= SSE streams)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--prompt-words", type=int, default=16)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads of the engine, offline and in the worker")
+    p.add_argument("--submit-jobs", type=int, default=400)
+    p.add_argument("--submit-threads", type=int, default=8)
+    p.add_argument("--web-threads", type=int, default=128)
+    p.add_argument("--web-worker-class", default="gthread", choices=["gthread", "gevent"])
+    p.add_argument("--web-processes", type=int, default=1)
+    p.add_argument("--postgres-url", default=os.environ.get(
+        "LLMQ_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"))
+    p.add_argument("--redis-url", default=os.environ.get(
+        "LLMQ_TEST_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    p.add_argument("--json", help="also write the figures to this file")
+    return p.parse_args(argv)
+
+
+def prompts(n: int, words: int) -> list[str]:
+    vocab = "the quick brown fox jumps over a lazy dog while seven owls watch".split()
+    return [" ".join(vocab[(i * 7 + j * 3) % len(vocab)] for j in range(words)) + f" {i}"
+            for i in range(n)]
+
+
+def run_offline(model_dir: str, args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
+    import torch
+
+    from tasks.params import SamplingParams
+    from workers.engine import Engine, EngineConfig
+
+    torch.set_num_threads(args.threads)
+    config = EngineConfig(block_size=settings.block_size, max_num_seqs=settings.max_num_seqs,
+                          max_num_batched_tokens=settings.max_num_batched_tokens)
+    engine = Engine.from_checkpoint(model_dir, kv_cache_bytes=settings.kv_cache_bytes,
+                                    config=config)
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0)
+    engine.add_request("warmup", "warm up", SamplingParams(max_tokens=4, temperature=0.0))
+    while engine.has_unfinished_requests():
+        engine.step()
+    started, cpu_started = time.perf_counter(), time.process_time()
+    for i, prompt in enumerate(prompts(args.num_jobs, args.prompt_words)):
+        engine.add_request(f"r{i}", prompt, params)
+    num_tokens = 0
+    while engine.has_unfinished_requests():
+        num_tokens += sum(len(d.new_token_ids) for d in engine.step())
+    elapsed = time.perf_counter() - started
+    return {"tokens": num_tokens, "seconds": elapsed, "tokens_per_s": num_tokens / elapsed,
+            "cpu_seconds": round(time.process_time() - cpu_started, 2)}
+
+
+class Services:
+    """A throwaway database, a gunicorn API and one worker process."""
+
+    def __init__(self, args: argparse.Namespace, model_dir: str, workdir: Path) -> None:
+        import psycopg
+
+        self.args = args
+        self.admin_url = args.postgres_url
+        self.db_name = f"llmq_bench_{uuid.uuid4().hex[:10]}"
+        with psycopg.connect(self.admin_url, autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{self.db_name}"')
+        database_url = self.admin_url.rsplit("/", 1)[0] + "/" + self.db_name
+        upgrade_database(database_url)
+        self.settings = Settings(
+            database_url=database_url, redis_url=args.redis_url,
+            redis_prefix=f"llmqbench{uuid.uuid4().hex[:8]}",
+            models={"bench": model_dir, "idle": model_dir},
+        )
+        self.redis = make_redis(args.redis_url)
+        env = worker_env(self.settings, OMP_NUM_THREADS=str(args.threads),
+                         LLMQ_LOG_LEVEL="WARNING")
+        self.port = _free_port()
+        self.logs = [open(workdir / "web.log", "wb"), open(workdir / "worker.log", "wb")]
+        self.web = subprocess.Popen(
+            [sys.executable, "-m", "gunicorn", "-k", args.web_worker_class,
+             "-w", str(args.web_processes), "--threads", str(args.web_threads),
+             "--worker-connections", str(args.web_threads * 4),
+             "-b", f"127.0.0.1:{self.port}", "webapp.wsgi:app"],
+            cwd=REPO, env=env, stdout=self.logs[0], stderr=subprocess.STDOUT)
+        self.worker = subprocess.Popen(
+            [sys.executable, "-m", "workers.worker", "--model-name", "bench", "--group-id",
+             "bench-group", "--loglevel", "WARNING"],
+            cwd=REPO, env=env, stdout=self.logs[1], stderr=subprocess.STDOUT)
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self._wait_ready()
+
+    def _wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for proc in (self.web, self.worker):
+                if proc.poll() is not None:
+                    raise RuntimeError(f"a service exited with {proc.returncode}; see the logs")
+            try:
+                web_up = requests.get(self.base_url + "/v1/models", timeout=2).ok
+            except requests.RequestException:
+                web_up = False
+            if web_up and self.redis.hget(groups_key(self.settings, "bench"), "bench-group"):
+                return
+            time.sleep(0.2)
+        raise RuntimeError("the API or the worker did not come up in time")
+
+    def close(self) -> None:
+        import psycopg
+
+        for proc in (self.worker, self.web):
+            proc.terminate()
+        for proc in (self.worker, self.web):
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        for log in self.logs:
+            log.close()
+        keys = list(self.redis.scan_iter(match=self.settings.redis_prefix + "*", count=1000))
+        for start in range(0, len(keys), 500):
+            self.redis.delete(*keys[start:start + 500])
+        with psycopg.connect(self.admin_url, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{self.db_name}" WITH (FORCE)')
+
+
+def cpu_snapshot(services: Services) -> dict[str, float]:
+    """CPU seconds used so far by each part (postgres: every backend, ours or not)."""
+    import psutil
+
+    def tree(pid: int) -> float:
+        proc = psutil.Process(pid)
+        total = 0.0
+        for p in [proc, *proc.children(recursive=True)]:
+            try:
+                times = p.cpu_times()
+                total += times.user + times.system
+            except psutil.NoSuchProcess:
+                pass
+        return total
+
+    def named(name: str, must_contain: str = "") -> float:
+        total = 0.0
+        for p in psutil.process_iter(["name", "cmdline", "cpu_times"]):
+            cmdline = " ".join(p.info["cmdline"] or [])
+            if p.info["name"] == name and must_contain in cmdline and p.info["cpu_times"]:
+                total += p.info["cpu_times"].user + p.info["cpu_times"].system
+        return total
+
+    redis_port = services.args.redis_url.rsplit(":", 1)[-1].split("/")[0]
+    return {"worker": tree(services.worker.pid), "web": tree(services.web.pid),
+            "client": tree(os.getpid()), "redis": named("redis-server", ":" + redis_port),
+            "postgres": named("postgres")}
+
+
+def run_pipeline(services: Services, args: argparse.Namespace) -> dict[str, Any]:
+    """POST every job from a thread pool and read all SSE streams on ONE select loop.
+
+    NOTE: a single-threaded reader stamps each event the moment its bytes arrive; 64
+    client threads fighting over one GIL would measure the client, not the pipeline.
+    Events published before their stream's response headers arrived are replays, not
+    live deliveries, and are left out of the latency figures.
+    """
+    base = services.base_url
+    body = {"model": "bench", "max_tokens": args.max_tokens, "ignore_eos": True,
+            "temperature": 0.0}
+    warmup = SseReader(services.port)
+    response = requests.post(base + "/v1/jobs", json={**body, "prompt": "warm up"}, timeout=60)
+    warmup.open(response.json()["id"])
+    while warmup.num_done < 1:
+        warmup.poll(0.1)
+    submitted: queue.Queue[str] = queue.Queue()
+
+    def submit(prompt: str) -> None:
+        response = requests.post(base + "/v1/jobs", json={**body, "prompt": prompt}, timeout=60)
+        response.raise_for_status()
+        submitted.put(response.json()["id"])
+
+    reader = SseReader(services.port)
+    cpu_before = cpu_snapshot(services)
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        futures = [pool.submit(submit, p) for p in prompts(args.num_jobs, args.prompt_words)]
+        while reader.num_done < args.num_jobs:
+            while True:
+                try:
+                    reader.open(submitted.get_nowait())
+                except queue.Empty:
+                    break
+            reader.poll(0.01)
+            for future in futures:
+                if future.done() and future.exception():
+                    raise RuntimeError(f"a submission failed: {future.exception()!r}")
+    elapsed = time.perf_counter() - started
+    cpu = {k: v - cpu_before[k] for k, v in cpu_snapshot(services).items()}
+    if reader.errors:
+        raise RuntimeError(f"{len(reader.errors)} jobs did not succeed: {reader.errors[0]}")
+    latencies = sorted(reader.latencies)
+    return {
+        "tokens": reader.num_tokens, "seconds": elapsed,
+        "tokens_per_s": reader.num_tokens / elapsed,
+        "latency_ms_p50": 1000 * _percentile(latencies, 0.50),
+        "latency_ms_p90": 1000 * _percentile(latencies, 0.90),
+        "latency_ms_p99": 1000 * _percentile(latencies, 0.99),
+        "latency_ms_max": 1000 * (latencies[-1] if latencies else float("nan")),
+        "num_token_events": len(latencies),
+        "cpu_seconds": {k: round(v, 2) for k, v in cpu.items()},
+    }
+
+
+class SseReader:
+    """Many SSE streams (HTTP/1.0: no chunking, the server closes at the end) on one loop."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.selector = selectors.DefaultSelector()
+        self.latencies: list[float] = []
+        self.num_tokens = 0
+        self.num_done = 0
+        self.errors: list[str] = []
+
+    def open(self, job_id: str) -> None:
+        sock = socket.create_connection(("127.0.0.1", self.port))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(f"GET /v1/jobs/{job_id}/events HTTP/1.0\r\nHost: bench\r\n"
+                     "Accept: text/event-stream\r\n\r\n".encode())
+        sock.setblocking(False)
+        state = {"job_id": job_id, "buffer": b"", "live_since": None}
+        self.selector.register(sock, selectors.EVENT_READ, state)
+
+    def poll(self, timeout: float) -> None:
+        for key, _ in self.selector.select(timeout):
+            received_at = time.time()
+            sock, state = key.fileobj, key.data
+            data = sock.recv(1 << 16)
+            if not data:
+                self.selector.unregister(sock)
+                sock.close()
+                self.num_done += 1
+                if not state.get("ended"):
+                    self.errors.append(f"job {state['job_id']}: stream closed early")
+                continue
+            state["buffer"] += data
+            if state["live_since"] is None:
+                head, sep, rest = state["buffer"].partition(b"\r\n\r\n")
+                if not sep:
+                    continue
+                state["live_since"], state["buffer"] = received_at, rest
+            *events, state["buffer"] = state["buffer"].split(b"\n\n")
+            for raw in events:
+                self._event(state, raw, received_at)
+
+    def _event(self, state: dict[str, Any], raw: bytes, received_at: float) -> None:
+        fields = dict(line.split(b": ", 1) for line in raw.split(b"\n")
+                      if b": " in line and not line.startswith(b":"))
+        kind = fields.get(b"event", b"").decode()
+        if kind == "token":
+            data = json.loads(fields[b"data"])
+            self.num_tokens += len(data.get("token_ids", []))
+            ts = data.get("ts")
+            if ts is not None and ts >= state["live_since"]:
+                self.latencies.append(received_at - ts)
+        elif kind in ("done", "error", "cancelled"):
+            state["ended"] = True
+            if kind != "done":
+                self.errors.append(f"job {state['job_id']}: {kind} {fields.get(b'data')!r}")
+
+
+def job_timings(services: Services) -> dict[str, Any]:
+    """Where a job's time went, from its row: queue wait, admission to first token."""
+    from sqlalchemy import select
+
+    from tasks.db import create_db_engine, make_sessionmaker
+    from tasks.models import Job
+
+    engine = create_db_engine(services.settings.database_url)
+    with make_sessionmaker(engine)() as session:
+        rows = session.execute(
+            select(Job.created_at, Job.started_at, Job.first_token_at, Job.finished_at)
+            .where(Job.model == "bench", Job.status == "succeeded")
+        ).all()
+    engine.dispose()
+    waits = sorted((r.started_at - r.created_at).total_seconds() for r in rows)
+    ttft = sorted((r.first_token_at - r.created_at).total_seconds() for r in rows)
+    return {"queue_wait_ms_p50": 1000 * _percentile(waits, 0.5),
+            "queue_wait_ms_max": 1000 * waits[-1],
+            "ttft_ms_p50": 1000 * _percentile(ttft, 0.5), "ttft_ms_max": 1000 * ttft[-1]}
+
+
+def run_submissions(services: Services, args: argparse.Namespace) -> dict[str, Any]:
+    body = {"model": "idle", "prompt": "queued only", "max_tokens": 8}
+    per_thread = args.submit_jobs // args.submit_threads
+    session_local = threading.local()
+
+    def submitter() -> None:
+        session = getattr(session_local, "s", None) or requests.Session()
+        session_local.s = session
+        for _ in range(per_thread):
+            session.post(services.base_url + "/v1/jobs", json=body, timeout=60).raise_for_status()
+
+    threads = [threading.Thread(target=submitter) for _ in range(args.submit_threads)]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - started
+    total = per_thread * args.submit_threads
+    return {"jobs": total, "seconds": elapsed, "jobs_per_s": total / elapsed}
+
+
+def _percentile(values: list[float], q: float) -> float:
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from workers.make_model import make_model
+
+    workdir = Path(tempfile.mkdtemp(prefix="llmq-bench-pipeline-"))
+    model_dir = str(make_model(workdir / "model", "qwen3", args.preset))
+    settings = Settings()
+    offline = run_offline(model_dir, args, settings)
+    print(f"offline engine: {json.dumps(offline)}", flush=True)
+    services = Services(args, model_dir, workdir)
+    try:
+        pipeline = run_pipeline(services, args)
+        pipeline.update(job_timings(services))
+        print(f"pipeline: {json.dumps(pipeline)}", flush=True)
+        submissions = run_submissions(services, args)
+    finally:
+        services.close()
+    ratio = pipeline["tokens_per_s"] / offline["tokens_per_s"]
+    figures = {"args": vars(args), "offline": offline, "pipeline": pipeline,
+               "submissions": submissions, "pipeline_vs_offline": ratio}
+    print(f"""
+| workload | {args.num_jobs} jobs x {args.max_tokens} tokens, `{args.preset}` qwen3, {args.threads} torch thread(s) |
+| --- | --- |
+| offline engine | {offline['tokens_per_s']:.0f} output tok/s |
+| end to end (HTTP + Celery + Redis + Postgres + SSE) | {pipeline['tokens_per_s']:.0f} output tok/s ({100 * ratio:.1f}% of offline) |
+| token delivery latency, publish -> SSE client ({pipeline['num_token_events']} events) | p50 {pipeline['latency_ms_p50']:.2f} ms, p90 {pipeline['latency_ms_p90']:.2f} ms, p99 {pipeline['latency_ms_p99']:.2f} ms |
+| job submissions ({args.submit_threads} client threads) | {submissions['jobs_per_s']:.0f} jobs/s |
+""")
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
