@@ -79,7 +79,7 @@ class Batcher:
         writer: DbWriter,
         *,
         capacity: int,
-        progress_interval: float = 1.0,
+        progress_interval: float = 2.0,
         stats_interval: float = 0.5,
     ) -> None:
         self.engine = engine

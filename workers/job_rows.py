@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import update
+from sqlalchemy import DateTime, bindparam, func, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from tasks.db import utcnow
@@ -62,6 +62,15 @@ class JobRows:
     def __init__(self, session_factory: sessionmaker[Session], group_id: str) -> None:
         self.session_factory = session_factory
         self.group_id = group_id
+        jobs = Job.__table__  # Core, so a list of parameters is a plain executemany
+        self._progress_statement = (
+            jobs.update()
+            .where(jobs.c.id == bindparam("b_id"),
+                   jobs.c.status == JobStatus.RUNNING.value, jobs.c.worker == group_id)
+            .values(output_text=bindparam("b_text"), completion_tokens=bindparam("b_tokens"),
+                    first_token_at=func.coalesce(bindparam("b_first", type_=DateTime(True)),
+                                                 jobs.c.first_token_at))
+        )
 
     def write(self, items: list[Any]) -> tuple[list[JobResult], list[JobRequeue]]:
         """Write progress, results and requeues in ONE transaction; returns the results
@@ -69,12 +78,15 @@ class JobRows:
         finished = {i.job_id for i in items if isinstance(i, JobResult | JobRequeue)}
         written: list[JobResult] = []
         requeued: list[JobRequeue] = []
+        # the terminal write carries more than any progress of the same job
+        progress = [_progress(i) for i in items
+                    if isinstance(i, JobProgress) and i.job_id not in finished]
         with self.session_factory.begin() as session:
+            if progress:
+                # NOTE: one executemany (pipelined by the driver), not a statement per job.
+                session.execute(self._progress_statement, progress)
             for item in items:
-                if isinstance(item, JobProgress):
-                    if item.job_id not in finished:  # the terminal write carries more
-                        session.execute(self._mine(item.job_id).values(**_progress(item)))
-                elif isinstance(item, JobResult):
+                if isinstance(item, JobResult):
                     if session.execute(self._mine(item.job_id).values(**_result(item))).rowcount:
                         written.append(item)
                     else:
@@ -132,11 +144,8 @@ def unstorable(result: JobResult, exc: Exception) -> JobResult:
 
 
 def _progress(item: JobProgress) -> dict[str, Any]:
-    values: dict[str, Any] = {"output_text": item.output_text,
-                              "completion_tokens": item.completion_tokens}
-    if item.first_token_at is not None:
-        values["first_token_at"] = item.first_token_at
-    return values
+    return {"b_id": uuid.UUID(item.job_id), "b_text": item.output_text,
+            "b_tokens": item.completion_tokens, "b_first": item.first_token_at}
 
 
 def _result(item: JobResult) -> dict[str, Any]:
