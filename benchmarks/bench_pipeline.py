@@ -52,7 +52,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="small", help="workers.make_model preset")
     p.add_argument("--num-jobs", type=int, default=64, help="concurrent jobs (= SSE streams)")
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--prompt-words", type=int, default=16)
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads of the engine, offline and in the worker")
@@ -60,7 +60,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--submit-threads", type=int, default=8)
     p.add_argument("--web-threads", type=int, default=128)
     p.add_argument("--web-worker-class", default="gthread", choices=["gthread", "gevent"])
-    p.add_argument("--web-processes", type=int, default=1)
+    p.add_argument("--web-processes", type=int, default=2,
+                   help="gunicorn workers (the API scales by processes)")
     p.add_argument("--postgres-url", default=os.environ.get(
         "LLMQ_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"))
     p.add_argument("--redis-url", default=os.environ.get(
@@ -196,7 +197,8 @@ def cpu_snapshot(services: Services) -> dict[str, float]:
 
     redis_port = services.args.redis_url.rsplit(":", 1)[-1].split("/")[0]
     return {"worker": tree(services.worker.pid), "web": tree(services.web.pid),
-            "client": tree(os.getpid()), "redis": named("redis-server", ":" + redis_port),
+            "client": sum(psutil.Process().cpu_times()[:2]),
+            "redis": named("redis-server", ":" + redis_port),
             "postgres": named("postgres")}
 
 
@@ -384,8 +386,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         services.close()
     ratio = pipeline["tokens_per_s"] / offline["tokens_per_s"]
+    load = os.getloadavg()[0]
     figures = {"args": vars(args), "offline": offline, "pipeline": pipeline,
-               "submissions": submissions, "pipeline_vs_offline": ratio}
+               "submissions": submissions, "pipeline_vs_offline": ratio,
+               "load_average_1m": load, "cpu_count": os.cpu_count()}
     print(f"""
 | workload | {args.num_jobs} jobs x {args.max_tokens} tokens, `{args.preset}` qwen3, {args.threads} torch thread(s) |
 | --- | --- |
@@ -393,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
 | end to end (HTTP + Celery + Redis + Postgres + SSE) | {pipeline['tokens_per_s']:.0f} output tok/s ({100 * ratio:.1f}% of offline) |
 | token delivery latency, publish -> SSE client ({pipeline['num_token_events']} events) | p50 {pipeline['latency_ms_p50']:.2f} ms, p90 {pipeline['latency_ms_p90']:.2f} ms, p99 {pipeline['latency_ms_p99']:.2f} ms |
 | job submissions ({args.submit_threads} client threads) | {submissions['jobs_per_s']:.0f} jobs/s |
+| CPU seconds (pipeline phase) | {', '.join(f'{k} {v:.2f}' for k, v in pipeline['cpu_seconds'].items())}; offline engine {offline['cpu_seconds']:.2f} |
+| machine | {os.cpu_count()} cores, 1-min load average {load:.1f} at the end |
 """)
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
