@@ -213,10 +213,14 @@ def run_pipeline(services: Services, args: argparse.Namespace) -> dict[str, Any]
     base = services.base_url
     body = {"model": "bench", "max_tokens": args.max_tokens, "ignore_eos": True,
             "temperature": 0.0}
+    # NOTE: every web process loads the model's tokenizer on its first request: warm them
+    # all (connections land on whichever process accepts first), and the engine too.
     warmup = SseReader(services.port)
-    response = requests.post(base + "/v1/jobs", json={**body, "prompt": "warm up"}, timeout=60)
-    warmup.open(response.json()["id"])
-    while warmup.num_done < 1:
+    for _ in range(8 * args.web_processes):
+        response = requests.post(base + "/v1/jobs", json={**body, "prompt": "warm up",
+                                                          "max_tokens": 2}, timeout=60)
+        warmup.open(response.json()["id"])
+    while warmup.num_done < 8 * args.web_processes:
         warmup.poll(0.1)
     submitted: queue.Queue[str] = queue.Queue()
 
