@@ -59,6 +59,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--submit-jobs", type=int, default=400)
     p.add_argument("--submit-threads", type=int, default=8)
     p.add_argument("--web-threads", type=int, default=128)
+    p.add_argument("--worker-concurrency", type=int, default=None,
+                   help="Celery task threads of the worker (default: the worker's own)")
     p.add_argument("--web-worker-class", default="gthread", choices=["gthread", "gevent"])
     p.add_argument("--web-processes", type=int, default=2,
                    help="gunicorn workers (the API scales by processes)")
@@ -133,7 +135,9 @@ class Services:
             cwd=REPO, env=env, stdout=self.logs[0], stderr=subprocess.STDOUT)
         self.worker = subprocess.Popen(
             [sys.executable, "-m", "workers.worker", "--model-name", "bench", "--group-id",
-             "bench-group", "--loglevel", "WARNING"],
+             "bench-group", "--loglevel", "WARNING",
+             *(["--concurrency", str(args.worker_concurrency)] if args.worker_concurrency
+               else [])],
             cwd=REPO, env=env, stdout=self.logs[1], stderr=subprocess.STDOUT)
         self.base_url = f"http://127.0.0.1:{self.port}"
         self._wait_ready()
