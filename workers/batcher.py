@@ -29,9 +29,8 @@ from typing import Any
 
 from tasks.db import utcnow
 from tasks.metrics import JobFigures, WorkerMetrics
-from tasks.models import JobStatus
 from tasks.params import SamplingParams
-from tasks.protocol import EventType, JobEvent
+from tasks.protocol import JobEvent
 from workers.db_writer import DbWriter
 from workers.job_rows import JobResult
 from workers.job_state import JobState
@@ -235,7 +234,7 @@ class Batcher:
                 continue  # not ours, or not here yet: _cancelled_at catches it on arrival
             try:
                 deltas = self.engine.abort_request(job_id)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 logger.exception("aborting job %s failed", job_id)
                 self._fail(state, f"cancel failed: {exc}", events)
                 continue
@@ -263,7 +262,7 @@ class Batcher:
                 logger.info("job %s rejected by the engine: %s", job.job_id, exc)
                 self._fail(state, str(exc), events)
                 continue
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 logger.exception("adding job %s to the engine failed", job.job_id)
                 self._fail(state, f"could not start the job: {exc}", events)
                 continue
@@ -272,13 +271,13 @@ class Batcher:
     def _step(self, events: list[tuple[str, JobEvent]]) -> None:
         try:
             deltas = self.engine.step()
-        except Exception as exc:  # noqa: BLE001 - fail the batch, keep the thread
+        except Exception as exc:  # fail the batch, keep the thread
             logger.exception("engine step failed; failing %d jobs", len(self._jobs))
             reason = f"engine step failed: {type(exc).__name__}: {exc}"
             for state in list(self._jobs.values()):
                 try:
                     self.engine.abort_request(state.job.job_id)
-                except Exception:  # noqa: BLE001 - the engine may be in a bad state
+                except Exception:  # the engine may be in a bad state
                     logger.warning("could not abort job %s after a failed step",
                                    state.job.job_id)
                 self._fail(state, reason, events)
@@ -349,7 +348,7 @@ class Batcher:
         for state in list(self._jobs.values()):
             try:
                 self.engine.abort_request(state.job.job_id)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 logger.warning("could not abort job %s at shutdown", state.job.job_id)
             aborted.append(state.job)
         self._jobs.clear()
@@ -369,10 +368,12 @@ class Batcher:
     def _refresh_stats_locked(self) -> None:
         try:
             stats = self.engine.stats()
-        except Exception:  # noqa: BLE001 - figures only
+        except Exception:  # figures only
             logger.exception("reading engine stats failed")
             return
-        self._engine_stats = asdict(stats) if is_dataclass(stats) else dict(vars(stats))
+        # EngineStats is a dataclass instance; anything else with attributes works too
+        is_instance = is_dataclass(stats) and not isinstance(stats, type)
+        self._engine_stats = asdict(stats) if is_instance else dict(vars(stats))
         self._stats_at = time.time()
 
 

@@ -59,7 +59,7 @@ class CancelListener:
                     logger.debug("cancel requested for job %s", job_id)
                     self.on_cancel(job_id.strip())
                     backoff = 0.1
-            except Exception:  # noqa: BLE001 - reconnect and keep listening
+            except Exception:  # reconnect and keep listening
                 logger.warning("cancel listener lost Redis; reconnecting in %.1fs", backoff,
                                exc_info=True)
                 self._stop.wait(backoff)
@@ -67,5 +67,5 @@ class CancelListener:
             finally:
                 try:
                     pubsub.close()
-                except Exception:  # noqa: BLE001
+                except Exception:
                     pass

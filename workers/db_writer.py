@@ -150,7 +150,7 @@ class DbWriter:
         if items:
             try:
                 self._store(items)
-            except Exception as exc:  # noqa: BLE001 - a failed flush must not kill the writer
+            except Exception as exc:  # a failed flush must not kill the writer
                 self.num_failed_flushes += 1
                 if _is_outage(exc):
                     logger.warning("Postgres unavailable (%s); retrying %d job updates",
@@ -169,7 +169,7 @@ class DbWriter:
         try:
             self._store([item])
             return
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             if not isinstance(item, JobResult) or _is_outage(exc):
                 logger.exception("dropping an update of job %s", item.job_id)
                 self._release(item.job_id)
@@ -177,7 +177,7 @@ class DbWriter:
             logger.exception("job %s: its result was rejected; storing a failure", item.job_id)
             try:
                 self._store([unstorable(item, exc)])
-            except Exception:  # noqa: BLE001 - lease reclaim will rerun it
+            except Exception:  # lease reclaim will rerun it
                 logger.exception("job %s: could not store a failure either", item.job_id)
                 self._release(item.job_id)
 
@@ -197,17 +197,17 @@ class DbWriter:
         if events:
             try:
                 self.publish(events)
-            except Exception:  # noqa: BLE001 - the rows are right; the web ends streams
+            except Exception:  # the rows are right; the web ends streams
                 logger.exception("publishing %d terminal/restart events failed", len(events))
         for q in requeued:
             try:
                 self.send_generate(q.job_id)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 logger.exception("job %s: generate message not sent; leaving it to lease "
                                  "reclaim", q.job_id)
                 try:
                     self.rows.hand_to_reclaim(q.job_id)
-                except Exception:  # noqa: BLE001
+                except Exception:
                     logger.exception("job %s is queued without a generate message; "
                                      "resubmit it", q.job_id)
                 continue
@@ -220,7 +220,7 @@ class DbWriter:
             return
         try:
             self.rows.renew_leases(ids, utcnow() + timedelta(seconds=self.settings.lease_seconds))
-        except Exception:  # noqa: BLE001 - retried at the next renewal
+        except Exception:  # retried at the next renewal
             logger.exception("renewing the leases of %d jobs failed", len(ids))
 
 

@@ -77,7 +77,7 @@ class Heartbeat:
             pipe.hdel(groups_key(self.settings, self.identity.model), self.identity.group_id)
             pipe.delete(self._alive_key())
             pipe.execute()
-        except Exception:  # noqa: BLE001 - the alive key expires on its own
+        except Exception:  # the alive key expires on its own
             logger.warning("could not remove the heartbeat of %s", self.identity.group_id,
                            exc_info=True)
 
@@ -114,5 +114,5 @@ class Heartbeat:
         while not self._stop.wait(self.interval):
             try:
                 self.beat()
-            except Exception:  # noqa: BLE001 - retried next interval
+            except Exception:  # retried next interval
                 logger.warning("heartbeat of %s failed", self.identity.group_id, exc_info=True)

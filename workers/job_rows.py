@@ -10,12 +10,12 @@ import logging
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import DateTime, bindparam, func, update
+from sqlalchemy import DateTime, Table, bindparam, func, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from tasks.db import utcnow
+from tasks.db import update_count, utcnow
 from tasks.models import Job, JobStatus
 from tasks.protocol import JobEvent
 
@@ -62,7 +62,7 @@ class JobRows:
     def __init__(self, session_factory: sessionmaker[Session], group_id: str) -> None:
         self.session_factory = session_factory
         self.group_id = group_id
-        jobs = Job.__table__  # Core, so a list of parameters is a plain executemany
+        jobs = cast(Table, Job.__table__)  # Core: a list of parameters is a plain executemany
         self._progress_statement = (
             jobs.update()
             .where(jobs.c.id == bindparam("b_id"),
@@ -87,7 +87,7 @@ class JobRows:
                 session.execute(self._progress_statement, progress)
             for item in items:
                 if isinstance(item, JobResult):
-                    if session.execute(self._mine(item.job_id).values(**_result(item))).rowcount:
+                    if update_count(session, self._mine(item.job_id).values(**_result(item))):
                         written.append(item)
                     else:
                         logger.warning("job %s is no longer running on %s; result not stored",
@@ -96,7 +96,7 @@ class JobRows:
                     values = {"status": JobStatus.QUEUED.value, "worker": None,
                               "lease_expires_at": None, "output_text": None,
                               "completion_tokens": None, "first_token_at": None}
-                    if session.execute(self._mine(item.job_id).values(**values)).rowcount:
+                    if update_count(session, self._mine(item.job_id).values(**values)):
                         requeued.append(item)
         return written, requeued
 

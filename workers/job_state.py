@@ -106,10 +106,11 @@ class JobState:
             "total_tokens": self.num_prompt_tokens + completion_tokens,
             "cached_tokens": self.num_cached_tokens,
         }
-        output = [
-            {"index": i, "text": "".join(self.texts[i]), "finish_reason": self.finish_reasons[i],
+        texts = ["".join(pieces) for pieces in self.texts]
+        output: list[dict[str, Any]] = [
+            {"index": i, "text": texts[i], "finish_reason": self.finish_reasons[i],
              "token_ids": self.token_ids[i]}
-            for i in range(len(self.texts))
+            for i in range(len(texts))
         ]
         event = JobEvent(event_type, finish_reason=finish_reason, error=self.error, usage=usage)
         return JobResult(
@@ -118,7 +119,7 @@ class JobState:
             finish_reason=finish_reason,
             error=self.error,
             output=output,
-            output_text=output[0]["text"],
+            output_text=texts[0],
             prompt_tokens=self.num_prompt_tokens,
             completion_tokens=completion_tokens,
             cached_tokens=self.num_cached_tokens,

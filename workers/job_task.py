@@ -156,7 +156,7 @@ class JobAdmission:
     def _cancel_requested(self, job_id: str) -> bool:
         try:
             return bool(self.redis.exists(cancel_flag_key(self.settings, job_id)))
-        except Exception:  # noqa: BLE001 - the cancel channel still reaches the batcher
+        except Exception:  # the cancel channel still reaches the batcher
             logger.warning("could not read the cancel flag of job %s", job_id, exc_info=True)
             return False
 

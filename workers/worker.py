@@ -41,13 +41,15 @@ class GroupRuntime:
     """Everything a device group runs besides Celery's consumer; built by the bootstep."""
 
     def __init__(self, settings: Settings, app: Celery, model_name: str, model_dir: str,
-                 group_id: str, *, heartbeat_seconds: float = 2.0) -> None:
+                 group_id: str, *, heartbeat_seconds: float = 2.0,
+                 concurrency: int = DEFAULT_CONCURRENCY) -> None:
         self.settings = settings
         self.app = app
         self.model_name = model_name
         self.model_dir = model_dir
         self.group_id = group_id
         self.heartbeat_seconds = heartbeat_seconds
+        self.concurrency = concurrency
         self.admission: Any = None
         self._started = False
         self._stopped = threading.Event()
@@ -77,7 +79,9 @@ class GroupRuntime:
                     self.model_name, self.model_dir, time.monotonic() - started,
                     self.engine.max_model_len)
         self.redis = make_redis(s.redis_url)
-        self.db_engine = create_db_engine(s.database_url, pool_size=4, max_overflow=4)
+        # one connection per task thread (claims) plus the writer's, and a little slack
+        self.db_engine = create_db_engine(s.database_url, pool_size=self.concurrency + 2,
+                                          max_overflow=2)
         session_factory = make_sessionmaker(self.db_engine)
         publisher = EventPublisher(self.redis, s)
         self.writer = DbWriter(s, session_factory, publisher.publish, self.send_generate,
@@ -235,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     group_id = args.group_id or f"{socket.gethostname()}-{os.getpid()}"
     app = create_celery(settings)
     runtime = GroupRuntime(settings, app, args.model_name, model_dir, group_id,
-                           heartbeat_seconds=args.heartbeat_seconds)
+                           heartbeat_seconds=args.heartbeat_seconds,
+                           concurrency=args.concurrency)
     build_app(settings, runtime)
     app.worker_main([
         "worker", "--pool=threads", "--concurrency", str(args.concurrency),
