@@ -34,7 +34,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import requests
 
@@ -288,7 +288,7 @@ class SseReader:
     def poll(self, timeout: float) -> None:
         for key, _ in self.selector.select(timeout):
             received_at = time.time()
-            sock, state = key.fileobj, key.data
+            sock, state = cast(socket.socket, key.fileobj), key.data
             data = sock.recv(1 << 16)
             if not data:
                 self.selector.unregister(sock)
@@ -345,7 +345,7 @@ def job_timings(services: Services) -> dict[str, Any]:
 
 
 def run_submissions(services: Services, args: argparse.Namespace) -> dict[str, Any]:
-    body = {"model": "idle", "prompt": "queued only", "max_tokens": 8}
+    body: dict[str, Any] = {"model": "idle", "prompt": "queued only", "max_tokens": 8}
     per_thread = args.submit_jobs // args.submit_threads
     session_local = threading.local()
 
@@ -398,16 +398,24 @@ def main(argv: list[str] | None = None) -> int:
     figures = {"args": vars(args), "offline": offline, "pipeline": pipeline,
                "submissions": submissions, "pipeline_vs_offline": ratio,
                "load_average_1m": load, "cpu_count": os.cpu_count()}
-    print(f"""
-| workload | {args.num_jobs} jobs x {args.max_tokens} tokens, `{args.preset}` qwen3, {args.threads} torch thread(s) |
-| --- | --- |
-| offline engine | {offline['tokens_per_s']:.0f} output tok/s |
-| end to end (HTTP + Celery + Redis + Postgres + SSE) | {pipeline['tokens_per_s']:.0f} output tok/s ({100 * ratio:.1f}% of offline) |
-| token delivery latency, publish -> SSE client ({pipeline['num_token_events']} events) | p50 {pipeline['latency_ms_p50']:.2f} ms, p90 {pipeline['latency_ms_p90']:.2f} ms, p99 {pipeline['latency_ms_p99']:.2f} ms |
-| job submissions ({args.submit_threads} client threads) | {submissions['jobs_per_s']:.0f} jobs/s |
-| CPU seconds (pipeline phase) | {', '.join(f'{k} {v:.2f}' for k, v in pipeline['cpu_seconds'].items())}; offline engine {offline['cpu_seconds']:.2f} |
-| machine | {os.cpu_count()} cores, 1-min load average {load:.1f} at the end |
-""")
+    p, o, sub = pipeline, offline, submissions
+    cpu = ", ".join(f"{k} {v:.2f}" for k, v in p["cpu_seconds"].items())
+    rows = [
+        ("workload", f"{args.num_jobs} jobs x {args.max_tokens} tokens, `{args.preset}` qwen3, "
+                     f"{args.threads} torch thread(s)"),
+        ("offline engine", f"{o['tokens_per_s']:.0f} output tok/s"),
+        ("end to end (HTTP + Celery + Redis + Postgres + SSE)",
+         f"{p['tokens_per_s']:.0f} output tok/s ({100 * ratio:.1f}% of offline)"),
+        (f"token delivery latency, publish -> SSE client ({p['num_token_events']} events)",
+         f"p50 {p['latency_ms_p50']:.2f} ms, p90 {p['latency_ms_p90']:.2f} ms, "
+         f"p99 {p['latency_ms_p99']:.2f} ms"),
+        (f"job submissions ({args.submit_threads} client threads)",
+         f"{sub['jobs_per_s']:.0f} jobs/s"),
+        ("CPU seconds (pipeline phase)", f"{cpu}; offline engine {o['cpu_seconds']:.2f}"),
+        ("machine", f"{os.cpu_count()} cores, 1-min load average {load:.1f} at the end"),
+    ]
+    print("\n" + "\n".join(f"| {k} | {v} |" if i != 1 else f"| --- | --- |\n| {k} | {v} |"
+                            for i, (k, v) in enumerate(rows)) + "\n")
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
     return 0

@@ -167,7 +167,8 @@ def iter_sse(base_url: str, job_id: str, last_event_id: str | None = None,
                       timeout=timeout) as response:
         response.raise_for_status()
         fields: dict[str, str] = {}
-        for line in response.iter_lines(decode_unicode=True):
+        for raw in response.iter_lines(decode_unicode=True):
+            line = raw if isinstance(raw, str) else raw.decode()
             if line:
                 if line.startswith(":"):
                     continue

@@ -43,7 +43,7 @@ class FlakyEngine:
         self.running = threading.Event()
         self.running.set()
 
-    def step(self):  # noqa: ANN201
+    def step(self):
         self.running.wait(30)
         if self.fail_steps > 0:
             self.fail_steps -= 1
