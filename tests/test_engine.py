@@ -202,5 +202,3 @@ def test_llm_generate(tiny_qwen3_dir: Path) -> None:
     assert outs[0].text == whole.rstrip("\ufffd") and outs[0].text
     with pytest.raises(NotImplementedError, match="tensor_parallel_size"):
         LLM(str(tiny_qwen3_dir), tensor_parallel_size=2)
-    with pytest.raises(NotImplementedError, match="kv_tiers"):
-        LLM(str(tiny_qwen3_dir), kv_tiers=["redis://127.0.0.1:6379/3"])

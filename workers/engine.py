@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvcache.kv_cache_manager import KVCacheManager
 from tasks.params import SamplingParams
@@ -20,6 +21,9 @@ from workers.outputs import CompletionDelta
 from workers.scheduler import Scheduler
 from workers.sequence import Sequence, SequenceStatus
 from workers.step_io import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from workers.kv_tiering import KVTiering
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +58,13 @@ class Engine:
         eos_token_ids: list[int],
         max_model_len: int,
         config: EngineConfig | None = None,
+        kv_tiering: KVTiering | None = None,
     ) -> None:
         self.config = config or EngineConfig()
+        if kv_tiering is not None and not self.config.enable_prefix_caching:
+            raise ValueError("KV tiers need prefix caching (block hashes name the blocks): "
+                             "enable prefix caching or configure no KV tiers")
+        self.kv_tiering = kv_tiering
         if runner.block_size != self.config.block_size:
             raise ValueError(
                 f"runner block_size {runner.block_size} != config block_size "
@@ -76,6 +85,7 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
             long_prefill_token_threshold=self.config.long_prefill_token_threshold,
             enable_prefix_caching=self.config.enable_prefix_caching,
+            tiering=kv_tiering,
         )
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
@@ -93,8 +103,16 @@ class Engine:
         device: str = "cpu",
         kv_cache_bytes: int = 256 * 1024 * 1024,
         config: EngineConfig | None = None,
+        kv_tiers: SequenceABC[str] = (),
+        kv_key_prefix: str = "llmq",
+        kv_reuse_filter: bool = False,
     ) -> Engine:
-        """Load a Hugging Face checkpoint directory and build its runner and engine."""
+        """Load a Hugging Face checkpoint directory and build its runner and engine.
+
+        `kv_tiers`: ordered KV tier URLs (`Settings.kv_tiers`, docs/kv-tiers.md) under the
+        Redis key prefix `kv_key_prefix`; `kv_reuse_filter` stores a block to the tiers
+        only once two sequences ended holding it.
+        """
         # NOTE: torch and the model code load here, not at import (plain-data users of
         # this module stay light).
         from workers.loader import load_checkpoint
@@ -117,9 +135,21 @@ class Engine:
                     f"length {checkpoint.max_model_len}; lower max_model_len"
                 )
             max_model_len = config.max_model_len
+        tiering = None
+        if kv_tiers:
+            from workers.kv_tiering import KVTiering
+
+            tiering = KVTiering.from_urls(kv_tiers, kv_key_prefix, runner,
+                                          checkpoint.fingerprint, reuse_filter=kv_reuse_filter)
         return cls(
-            runner, checkpoint.tokenizer, list(checkpoint.eos_token_ids), max_model_len, config
+            runner, checkpoint.tokenizer, list(checkpoint.eos_token_ids), max_model_len, config,
+            kv_tiering=tiering,
         )
+
+    def close(self, timeout: float | None = 10.0) -> None:
+        """Release what outlives a step: write queued KV blocks to the tiers and close them."""
+        if self.kv_tiering is not None:
+            self.kv_tiering.close(timeout)
 
     # ---- sizes and load -------------------------------------------------------------
 

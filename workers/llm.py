@@ -72,14 +72,15 @@ class LLM:
         long_prefill_token_threshold: int = 0,
         tensor_parallel_size: int = 1,
         kv_tiers: list[str] | None = None,
+        kv_key_prefix: str = "llmq",
+        kv_reuse_filter: bool = False,
     ) -> None:
+        """`kv_tiers`: ordered KV tier URLs below the device cache (docs/kv-tiers.md), e.g.
+        ["redis://127.0.0.1:6379/1?ttl_seconds=3600", "file:///tmp/kv?max_bytes=10000000000"];
+        blocks are keyed under `kv_key_prefix`. Call `close()` to write what is queued."""
         if tensor_parallel_size != 1:
             raise NotImplementedError(
                 f"tensor_parallel_size={tensor_parallel_size} is not supported yet; use 1"
-            )
-        if kv_tiers:
-            raise NotImplementedError(
-                "KV tiers are not supported by the offline LLM yet; leave kv_tiers empty"
             )
         config = EngineConfig(
             block_size=block_size,
@@ -90,9 +91,15 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
         )
         self.engine = Engine.from_checkpoint(
-            model_dir, dtype=dtype, device=device, kv_cache_bytes=kv_cache_bytes, config=config
+            model_dir, dtype=dtype, device=device, kv_cache_bytes=kv_cache_bytes, config=config,
+            kv_tiers=kv_tiers or (), kv_key_prefix=kv_key_prefix,
+            kv_reuse_filter=kv_reuse_filter,
         )
         self._request_ids = itertools.count()
+
+    def close(self) -> None:
+        """Write the KV blocks still queued for the tiers and close them."""
+        self.engine.close()
 
     @property
     def tokenizer(self):

@@ -23,10 +23,14 @@ from __future__ import annotations
 import bisect
 import logging
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from kvcache.kv_cache_manager import KVCacheManager
 from workers.sequence import Sequence, SequenceStatus
 from workers.step_io import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
+
+if TYPE_CHECKING:
+    from workers.kv_tiering import KVTiering
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +46,12 @@ class Scheduler:
         eos_token_ids: Iterable[int] = (),
         long_prefill_token_threshold: int = 0,
         enable_prefix_caching: bool = True,
+        tiering: KVTiering | None = None,
     ) -> None:
         self.kv_manager = kv_manager
+        # KV tiers below the device (workers/kv_tiering.py): prefix lookups on admission,
+        # offload of ended sequences' blocks; None without tiers
+        self.tiering = tiering if enable_prefix_caching else None
         self.block_size = kv_manager.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -97,6 +105,9 @@ class Scheduler:
                 self.waiting.remove(seq)
             seq.status = status
             self.seqs.pop(seq.seq_id, None)
+            if self.tiering is not None:
+                self.tiering.offload_blocks(
+                    seq.seq_id, self.kv_manager.get_unshared_full_blocks(seq.seq_id))
             self.kv_manager.free(seq.seq_id)
             seq.block_table = []
             # samples still held for this one's prompt start on their own now
@@ -132,6 +143,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         preempted: list[int] = []
+        blocks_to_load: list[tuple[int, bytes]] = []
         bs = self.block_size
         threshold = self.long_prefill_token_threshold
         i = 0
@@ -197,12 +209,37 @@ class Scheduler:
                 computed_blocks, num_cached = self.kv_manager.get_computed_blocks(seq.token_ids)
                 computed_blocks = _until_written(computed_blocks, writing)
                 num_cached = min(num_cached, len(computed_blocks) * self.block_size)
-            num_new = self._chunk_size(seq, num_cached, budget)
-            allocated = self.kv_manager.allocate_slots(
-                seq.seq_id, seq.token_ids, num_cached, num_new, computed_block_ids=computed_blocks
-            )
+            loaded: list[bytes] = []
+            if self.tiering is not None:
+                # the tiers continue the device hit, into fresh blocks the free ones can hold
+                num_device = len(computed_blocks)
+                max_blocks = min((seq.num_tokens - 1) // bs,
+                                 num_device + self.kv_manager.num_free_blocks - 1)
+                loaded = self.tiering.find_prefix(seq.seq_id, seq.token_ids, num_device,
+                                                  max_blocks)
+            allocated = None
+            if loaded:
+                num_new = self._chunk_size(seq, num_cached + len(loaded) * bs, budget)
+                allocated = self.kv_manager.allocate_slots(
+                    seq.seq_id, seq.token_ids, num_cached + len(loaded) * bs, num_new,
+                    computed_block_ids=computed_blocks,
+                )
+                if allocated is None:
+                    loaded = []  # no room to load them: compute instead, if that fits
+                else:
+                    num_cached += len(loaded) * bs
+            if allocated is None:
+                num_new = self._chunk_size(seq, num_cached, budget)
+                allocated = self.kv_manager.allocate_slots(
+                    seq.seq_id, seq.token_ids, num_cached, num_new,
+                    computed_block_ids=computed_blocks
+                )
             if allocated is None:
                 break  # no room: waiting sequences never preempt running ones
+            if self.tiering is not None:
+                first = len(computed_blocks)
+                blocks_to_load.extend(zip(allocated[first:first + len(loaded)], loaded))
+                self.tiering.admitted(seq.seq_id, first, len(loaded))
             self.waiting.pop(0)
             seq.block_table = allocated
             if not seq.admitted:
@@ -220,6 +257,7 @@ class Scheduler:
             scheduled=scheduled,
             num_batched_tokens=self.max_num_batched_tokens - budget,
             preempted_seq_ids=preempted,
+            blocks_to_load=blocks_to_load,
         )
 
     def _chunk_size(self, seq: Sequence, num_computed: int, budget: int) -> int:

