@@ -39,6 +39,8 @@ class LoadedCheckpoint:
     chat_template: str | None
     max_model_len: int
     fingerprint: str  # 16 hex chars: weights identity and dtype, equal across processes
+    tp_size: int = 1  # tensor-parallel ranks the model is split over
+    tp_rank: int = 0  # this process's shard (it holds only its slice of each split layer)
 
 
 class CheckpointError(ValueError):
@@ -46,8 +48,14 @@ class CheckpointError(ValueError):
 
 
 def load_checkpoint(model_dir: str | Path, dtype: str = "auto",
-                    device: str | torch.device = "cpu") -> LoadedCheckpoint:
-    """Load `model_dir` with weights in `dtype` ("auto" = the checkpoint's) on `device`."""
+                    device: str | torch.device = "cpu", *, tp_size: int = 1, tp_rank: int = 0,
+                    with_tokenizer: bool = True) -> LoadedCheckpoint:
+    """Load `model_dir` with weights in `dtype` ("auto" = the checkpoint's) on `device`.
+
+    With `tp_size > 1` the model holds only shard `tp_rank` of each split layer (the
+    weight loaders cut every checkpoint tensor down to it). A TP rank that is not the
+    driver needs no tokenizer (`with_tokenizer=False`).
+    """
     root = Path(model_dir)
     hf = _read_config(root)
     arch = _resolve(root, hf)
@@ -58,14 +66,14 @@ def load_checkpoint(model_dir: str | Path, dtype: str = "auto",
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch_dtype)
     try:
-        model = MODEL_REGISTRY[arch](config)
+        model = MODEL_REGISTRY[arch](config, tp_size, tp_rank)  # type: ignore[call-arg]
     finally:
         torch.set_default_dtype(default_dtype)
     _load_weights(model, files, config)
     # the rotary table stays float32 (positions need its precision); it is cast per step
     model = model.to(device=resolve_device(device)).eval()
 
-    tokenizer = _load_tokenizer(root)
+    tokenizer = _load_tokenizer(root) if with_tokenizer else None
     loaded = LoadedCheckpoint(
         config=config,
         model=model,
@@ -74,9 +82,11 @@ def load_checkpoint(model_dir: str | Path, dtype: str = "auto",
         chat_template=getattr(tokenizer, "chat_template", None) if tokenizer else None,
         max_model_len=config.max_position_embeddings,
         fingerprint=checkpoint_fingerprint(root, torch_dtype),
+        tp_size=tp_size,
+        tp_rank=tp_rank,
     )
-    logger.info("loaded %s (%s, %s) from %s, fingerprint %s", arch, torch_dtype, device, root,
-                loaded.fingerprint)
+    logger.info("loaded %s (%s, %s, tp rank %d/%d) from %s, fingerprint %s", arch, torch_dtype,
+                device, tp_rank, tp_size, root, loaded.fingerprint)
     return loaded
 
 

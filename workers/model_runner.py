@@ -42,11 +42,13 @@ class ModelRunner:
         self.dtype = config.dtype
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
-        self._block_shape = (2, config.num_layers, block_size, config.num_kv_heads,
-                             config.head_dim)
+        # NOTE: a TP rank holds its shard of the KV heads; every rank has the same number
+        # of blocks (same budget, same shard size), so block ids mean the same everywhere.
+        num_kv_heads = config.num_kv_heads // loaded.tp_size
+        self._block_shape = (2, config.num_layers, block_size, num_kv_heads, config.head_dim)
         elem = torch.empty((), dtype=self.dtype).element_size()
         self._bytes_per_block = elem * 2 * config.num_layers * block_size * (
-            config.num_kv_heads * config.head_dim)
+            num_kv_heads * config.head_dim)
         num_blocks = kv_cache_bytes // self._bytes_per_block
         if num_blocks < 1:
             raise ValueError(
@@ -74,11 +76,9 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run the step and sample one token for each sequence with `sample=True`."""
         with torch.inference_mode():
-            hidden = self._forward(out)
-            rows, seqs = self._sample_rows(out)
-            if not seqs:
+            logits, seqs = self._step_logits(out)
+            if logits is None:
                 return ModelRunnerOutput(seq_ids=[], sampled_token_ids=[], logprobs=[])
-            logits = self.model.compute_logits(hidden[rows])
             if self._sample is None:
                 from kernels.sampling import sample
 
@@ -87,6 +87,12 @@ class ModelRunner:
                                                eos_token_ids=self.loaded.eos_token_ids)
         return ModelRunnerOutput(seq_ids=[s.seq_id for s in seqs],
                                  sampled_token_ids=token_ids, logprobs=logprobs)
+
+    def execute_shard(self, out: SchedulerOutput) -> None:
+        """A non-driver TP rank's part of `execute`: the same forward and logits
+        collectives, no sampling (rank 0 samples from the gathered logits)."""
+        with torch.inference_mode():
+            self._step_logits(out)
 
     def forward_logits(self, out: SchedulerOutput) -> torch.Tensor:
         """float32 logits [num_batched_tokens, vocab] of every scheduled token (for tests)."""
@@ -134,6 +140,16 @@ class ModelRunner:
         self.write_blocks(out.blocks_to_load)
         input_ids, positions, meta = self._prepare(out.scheduled)
         return self.model(input_ids, positions, meta)
+
+    def _step_logits(
+        self, out: SchedulerOutput
+    ) -> tuple[torch.Tensor | None, list[ScheduledSequence]]:
+        """float32 logits [num_sampling_seqs, vocab] of the step (None if none samples)."""
+        hidden = self._forward(out)
+        rows, seqs = self._sample_rows(out)
+        if not seqs:
+            return None, seqs
+        return self.model.compute_logits(hidden[rows]), seqs
 
     def _prepare(self, scheduled: list[ScheduledSequence]):
         """Flatten the step into input_ids, positions [num_tokens] and attention metadata."""
