@@ -44,6 +44,25 @@ HISTOGRAM_BUCKETS: dict[str, tuple[float, ...]] = {
 # their growth since its previous beat.
 ENGINE_COUNTERS = ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits")
 JOB_STATUS_FIELD = "jobs:"  # + terminal status: jobs by terminal status
+# KV tier counters (per tier, cumulative in the heartbeat's "kv_tiers"): figure -> help.
+# Field `kv_tier:<figure>:<tier name>`; `_seconds` figures are float sums.
+KV_TIER_FIGURES: dict[str, str] = {
+    "lookups": "Prefix lookups sent to the KV tier (one round trip each).",
+    "lookup_errors": "KV tier lookups that failed (counted as misses).",
+    "hit_blocks": "KV blocks loaded from the tier instead of computed.",
+    "loaded_bytes": "KV payload bytes loaded from the tier.",
+    "load_seconds": "Seconds spent in KV tier lookups (round trip and checks).",
+    "bad_blobs": "KV tier blobs refused by the format check (counted as misses).",
+    "stored_blocks": "KV blocks written to the tier.",
+    "stored_bytes": "KV payload bytes written to the tier.",
+    "store_errors": "KV blocks whose write to the tier failed.",
+}
+KV_TIER_FIELD = "kv_tier:"
+
+
+def kv_tier_field(figure: str, tier: str) -> str:
+    """Hash field of one tier's counter (the tier name may hold colons: it comes last)."""
+    return f"{KV_TIER_FIELD}{figure}:{tier}"
 
 
 def metrics_key(settings: Settings, model: str) -> str:
@@ -77,7 +96,7 @@ class WorkerMetrics:
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()  # HINCRBY fields
         self._sums: dict[str, float] = defaultdict(float)  # HINCRBYFLOAT fields (sums)
-        self._last_engine: dict[str, int] = {}
+        self._last_engine: dict[str, float] = {}
 
     def observe_job(self, job: JobFigures) -> None:
         """Record a finished job (batcher thread; no I/O)."""
@@ -109,6 +128,18 @@ class WorkerMetrics:
                 # a smaller value means a new engine: count from zero again
                 self._counts[name] += value - last if value >= last else value
                 self._last_engine[name] = value
+            tiers = figures.get("kv_tiers") or {}
+            for tier, values in tiers.items():
+                for figure in KV_TIER_FIGURES:
+                    field = kv_tier_field(figure, tier)
+                    number = values.get(figure) or 0
+                    last = self._last_engine.get(field, 0)
+                    growth = number - last if number >= last else number
+                    if figure.endswith("_seconds"):
+                        self._sums[field] += float(growth)
+                    else:
+                        self._counts[field] += int(growth)
+                    self._last_engine[field] = number
 
     def write(self, pipe: Any, settings: Settings,
               model: str) -> tuple[Counter[str], dict[str, float]]:

@@ -29,6 +29,8 @@ class Settings:
     redis_prefix: str = "llmq"
     # ordered KV tier URLs: redis://host:port/db, file:///path?max_bytes=N
     kv_tiers: tuple[str, ...] = ()
+    # store a KV block to the tiers only once two sequences ended holding it
+    kv_reuse_filter: bool = False
     # served models: name -> checkpoint directory (LLMQ_MODELS="demo=/path,other=/path2")
     models: dict[str, str] = field(default_factory=dict)
     auth_enabled: bool = False

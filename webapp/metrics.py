@@ -26,6 +26,8 @@ from tasks.metrics import (
     ENGINE_COUNTERS,
     HISTOGRAM_BUCKETS,
     JOB_STATUS_FIELD,
+    KV_TIER_FIELD,
+    KV_TIER_FIGURES,
     bucket_field,
     metrics_key,
 )
@@ -112,6 +114,7 @@ class RedisCollector:
                     finished.add_metric([model, status.value], float(
                         hashes[model].get(JOB_STATUS_FIELD + status.value, 0)))
         yield finished
+        yield from _kv_tier_families(models, hashes)
 
         for prefix, (name, help_text) in HISTOGRAMS.items():
             histogram = HistogramMetricFamily(name, help_text, labels=["model_name"])
@@ -151,6 +154,21 @@ class RedisCollector:
             if isinstance(figures, dict):
                 groups[model][group_id] = figures
         return hashes, groups
+
+
+def _kv_tier_families(models: list[str], hashes: dict[str, dict[str, str]]) -> Iterator[Metric]:
+    """`llmq:kv_tier_<figure>_total{model_name, tier}` from `kv_tier:<figure>:<tier>`."""
+    families = {figure: CounterMetricFamily(f"llmq:kv_tier_{figure}", help_text,
+                                            labels=["model_name", "tier"])
+                for figure, help_text in KV_TIER_FIGURES.items()}
+    for model in models:
+        for field, value in sorted(hashes[model].items()):
+            if not field.startswith(KV_TIER_FIELD):
+                continue
+            figure, _, tier = field[len(KV_TIER_FIELD):].partition(":")
+            if figure in families:
+                families[figure].add_metric([model, tier], float(value))
+    yield from families.values()
 
 
 def _decode(raw: dict[bytes, bytes]) -> dict[str, str]:

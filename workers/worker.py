@@ -3,6 +3,7 @@
     python -m workers.worker --model-name NAME [--model-dir DIR] [--group-id ID]
         [--concurrency N] [--dtype D] [--device D] [--block-size B] [--kv-cache-bytes N]
         [--max-num-seqs N] [--max-num-batched-tokens N] [--max-model-len N]
+        [--kv-tier URL ...] [--kv-reuse-filter]
 
 Settings come from `LLMQ_*` (`Settings.from_env()`); flags override them. A worker
 bootstep loads the engine ONCE, before the consumer fetches anything, and starts the
@@ -74,7 +75,9 @@ class GroupRuntime:
         )
         started = time.monotonic()
         self.engine = Engine.from_checkpoint(self.model_dir, dtype=s.dtype, device=s.device,
-                                             kv_cache_bytes=s.kv_cache_bytes, config=config)
+                                             kv_cache_bytes=s.kv_cache_bytes, config=config,
+                                             kv_tiers=s.kv_tiers, kv_key_prefix=s.redis_prefix,
+                                             kv_reuse_filter=s.kv_reuse_filter)
         logger.info("group %s loaded %s from %s in %.1fs (max_model_len %d)", self.group_id,
                     self.model_name, self.model_dir, time.monotonic() - started,
                     self.engine.max_model_len)
@@ -116,7 +119,10 @@ class GroupRuntime:
     def _load(self) -> dict[str, Any]:
         load = self.batcher.load()
         engine = load.engine
+        tiering = self.engine.kv_tiering
         return {
+            # cumulative per-tier counters: {tier: {figure: value}} (tasks.metrics)
+            "kv_tiers": tiering.figures() if tiering is not None else {},
             "num_jobs": load.num_jobs,
             "active_samples": load.num_active_samples,
             "num_running": engine.get("num_running", 0),
@@ -147,6 +153,7 @@ class GroupRuntime:
         if aborted:
             logger.info("group %s requeued %d unfinished jobs", self.group_id, len(aborted))
         self.writer.stop()
+        self.engine.close()  # KV blocks still queued for the tiers
         self.cancels.stop()
         self.heartbeat.stop()
         self.redis.close()
@@ -203,6 +210,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-num-seqs", type=int)
     parser.add_argument("--max-num-batched-tokens", type=int)
     parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--kv-tier", dest="kv_tiers", action="append", metavar="URL",
+                        help="a KV cache tier below the device, fastest first; repeatable: "
+                             "redis://host:port/db, file:///dir?max_bytes=N "
+                             "(default: LLMQ_KV_TIERS; docs/kv-tiers.md)")
+    parser.add_argument("--kv-reuse-filter", action=argparse.BooleanOptionalAction,
+                        help="store a KV block to the tiers only once two sequences ended "
+                             "holding it (default: LLMQ_KV_REUSE_FILTER)")
     parser.add_argument("--heartbeat-seconds", type=float, default=2.0)
     parser.add_argument("--switch-interval", type=float, default=0.0005,
                         help="Python GIL switch interval, seconds (latency of token delivery)")
@@ -219,6 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.loglevel.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
+    if args.kv_tiers:
+        overrides["kv_tiers"] = tuple(args.kv_tiers)
+    if args.kv_reuse_filter is not None:
+        overrides["kv_reuse_filter"] = args.kv_reuse_filter
     try:
         settings = Settings.from_env(**overrides)
     except ValueError as exc:
