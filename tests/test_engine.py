@@ -200,5 +200,5 @@ def test_llm_generate(tiny_qwen3_dir: Path) -> None:
     )
     # a character cut by max_tokens is dropped, not emitted as U+FFFD
     assert outs[0].text == whole.rstrip("\ufffd") and outs[0].text
-    with pytest.raises(NotImplementedError, match="tensor_parallel_size"):
-        LLM(str(tiny_qwen3_dir), tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLM(str(tiny_qwen3_dir), tensor_parallel_size=0)

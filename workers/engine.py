@@ -106,12 +106,20 @@ class Engine:
         kv_tiers: SequenceABC[str] = (),
         kv_key_prefix: str = "llmq",
         kv_reuse_filter: bool = False,
+        tensor_parallel_size: int = 1,
+        device_indices: list[int] | None = None,
+        tp_timeout_seconds: float = 120.0,
     ) -> Engine:
         """Load a Hugging Face checkpoint directory and build its runner and engine.
 
         `kv_tiers`: ordered KV tier URLs (`Settings.kv_tiers`, docs/kv-tiers.md) under the
         Redis key prefix `kv_key_prefix`; `kv_reuse_filter` stores a block to the tiers
         only once two sequences ended holding it.
+
+        `tensor_parallel_size > 1` splits the model over that many devices of kind
+        `device` (`device_indices`, default 0..tp-1; logical ranks on CPU), with one
+        spawned rank process per extra device (docs/device-groups.md); `kv_cache_bytes`
+        is then per device. `close()` stops the rank processes.
         """
         # NOTE: torch and the model code load here, not at import (plain-data users of
         # this module stay light).
@@ -119,14 +127,27 @@ class Engine:
         from workers.model_runner import ModelRunner
 
         config = config or EngineConfig()
-        checkpoint = load_checkpoint(model_dir, dtype=dtype, device=device)
-        runner = ModelRunner(
-            checkpoint,
-            block_size=config.block_size,
-            kv_cache_bytes=kv_cache_bytes,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs,
-        )
+        runner: Any
+        if tensor_parallel_size > 1:
+            from workers.parallel import make_tp_runner
+
+            runner = make_tp_runner(
+                model_dir, device=device, tp_size=tensor_parallel_size,
+                device_indices=device_indices, dtype=dtype, block_size=config.block_size,
+                kv_cache_bytes=kv_cache_bytes,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs, timeout_seconds=tp_timeout_seconds,
+            )
+            checkpoint = runner.loaded
+        else:
+            checkpoint = load_checkpoint(model_dir, dtype=dtype, device=device)
+            runner = ModelRunner(
+                checkpoint,
+                block_size=config.block_size,
+                kv_cache_bytes=kv_cache_bytes,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs,
+            )
         max_model_len = checkpoint.max_model_len
         if config.max_model_len is not None:
             if config.max_model_len > checkpoint.max_model_len:
@@ -139,17 +160,24 @@ class Engine:
         if kv_tiers:
             from workers.kv_tiering import KVTiering
 
+            # NOTE: a TP group's blob is its ranks' slabs concatenated (the runner gathers
+            # and scatters them), keyed by the whole TP layout (tp_size, rank 0)
             tiering = KVTiering.from_urls(kv_tiers, kv_key_prefix, runner,
-                                          checkpoint.fingerprint, reuse_filter=kv_reuse_filter)
+                                          checkpoint.fingerprint, reuse_filter=kv_reuse_filter,
+                                          tp_size=tensor_parallel_size)
         return cls(
             runner, checkpoint.tokenizer, list(checkpoint.eos_token_ids), max_model_len, config,
             kv_tiering=tiering,
         )
 
     def close(self, timeout: float | None = 10.0) -> None:
-        """Release what outlives a step: write queued KV blocks to the tiers and close them."""
+        """Release what outlives a step: write queued KV blocks to the tiers and close them;
+        stop a tensor-parallel runner's rank processes."""
         if self.kv_tiering is not None:
             self.kv_tiering.close(timeout)
+        shutdown = getattr(self.runner, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
 
     # ---- sizes and load -------------------------------------------------------------
 

@@ -136,7 +136,7 @@ class KVTiering:
         dtype = str(runner.dtype).removeprefix("torch.")
         block_size = runner.block_size
         fingerprint = make_fingerprint(model_fingerprint, dtype, block_size, tp_size, tp_rank)
-        meta = BlockMeta(fingerprint, dtype, block_size, runner.kv_cache.shape[1:])
+        meta = BlockMeta(fingerprint, dtype, block_size, runner.block_shape)
         offload = KVOffloadManager.from_urls(list(urls), key_prefix, meta)
         logger.info("KV tiers %s, fingerprint %s, reuse filter %s",
                     [t.name for t in offload.tiers], fingerprint, "on" if reuse_filter else "off")

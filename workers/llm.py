@@ -78,10 +78,8 @@ class LLM:
         """`kv_tiers`: ordered KV tier URLs below the device cache (docs/kv-tiers.md), e.g.
         ["redis://127.0.0.1:6379/1?ttl_seconds=3600", "file:///tmp/kv?max_bytes=10000000000"];
         blocks are keyed under `kv_key_prefix`. Call `close()` to write what is queued."""
-        if tensor_parallel_size != 1:
-            raise NotImplementedError(
-                f"tensor_parallel_size={tensor_parallel_size} is not supported yet; use 1"
-            )
+        if tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: use 1 or more")
         config = EngineConfig(
             block_size=block_size,
             max_num_seqs=max_num_seqs,
@@ -93,13 +91,20 @@ class LLM:
         self.engine = Engine.from_checkpoint(
             model_dir, dtype=dtype, device=device, kv_cache_bytes=kv_cache_bytes, config=config,
             kv_tiers=kv_tiers or (), kv_key_prefix=kv_key_prefix,
-            kv_reuse_filter=kv_reuse_filter,
+            kv_reuse_filter=kv_reuse_filter, tensor_parallel_size=tensor_parallel_size,
         )
         self._request_ids = itertools.count()
 
     def close(self) -> None:
-        """Write the KV blocks still queued for the tiers and close them."""
+        """Write the KV blocks still queued for the tiers and close them; stop the
+        tensor-parallel rank processes (tensor_parallel_size > 1)."""
         self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def tokenizer(self):

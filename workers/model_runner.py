@@ -70,6 +70,11 @@ class ModelRunner:
         return self._block_shape[2]
 
     @property
+    def block_shape(self) -> tuple[int, ...]:
+        """[2, num_layers, block_size, num_kv_heads (of this rank), head_dim]"""
+        return self._block_shape
+
+    @property
     def bytes_per_block(self) -> int:
         return self._bytes_per_block
 
