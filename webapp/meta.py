@@ -56,6 +56,9 @@ def ready() -> tuple[Response, int]:
         missing.append("redis (check LLMQ_REDIS_URL)")
     if checks["redis"] == "ok":
         checks["workers"] = {name: len(groups) for name, groups in live.items()}
+        # each live group's devices and KV capacity (workers.topology.GroupTopology)
+        checks["topology"] = {name: [{"id": group["id"], **group.get("topology", {})}
+                                     for group in groups] for name, groups in live.items()}
         for name, groups in live.items():
             if not groups:
                 missing.append(f"a live worker for model {name!r} (start `llmq worker "
@@ -71,7 +74,8 @@ def ready() -> tuple[Response, int]:
 @bp.get("/v1/models")
 def list_models() -> Response:
     """Served models (OpenAI's list shape) with their checkpoint, context length and live
-    device groups (from heartbeats)."""
+    device groups (from heartbeats: load, limits and `topology` — device kind, devices,
+    tp_size, KV capacity in blocks and tokens)."""
     svc = services()
     names = svc.models.names()
     live = _live_groups(names)

@@ -34,6 +34,9 @@ class GroupIdentity:
     max_model_len: int
     max_num_batched_tokens: int
     block_size: int
+    # workers.topology.GroupTopology as a dict: device kind, devices, tp_size, KV capacity
+    # in blocks and tokens, rank pids
+    topology: dict[str, Any] = field(default_factory=dict)
     hostname: str = field(default_factory=socket.gethostname)
     pid: int = field(default_factory=os.getpid)
     started_at: float = field(default_factory=time.time)

@@ -3,6 +3,12 @@
     python -m workers.worker --model-name NAME [--model-dir DIR] [--group-id ID]
         [--concurrency N] [--dtype D] [--device D] [--block-size B] [--kv-cache-bytes N]
         [--max-num-seqs N] [--max-num-batched-tokens N] [--max-model-len N]
+        [--devices 0,1,2,3] [--tp N] [--group-index I]
+
+Device groups (docs/device-groups.md): `--devices` split into groups of `--tp`; with
+several groups and no `--group-index`, this process supervises one child worker per group
+(`workers.parallel.groups`); otherwise it runs one group. A group whose TP rank dies
+fails its running jobs, stops consuming and exits non-zero.
         [--kv-tier URL ...] [--kv-reuse-filter]
 
 Settings come from `LLMQ_*` (`Settings.from_env()`); flags override them. A worker
@@ -20,10 +26,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
 import time
+from dataclasses import asdict
 from typing import Any
 
 from celery import Celery, bootsteps
@@ -31,6 +39,15 @@ from celery import Celery, bootsteps
 from tasks.celery_app import create_celery, send_generate
 from tasks.protocol import GENERATE_TASK
 from tasks.settings import Settings
+from workers.topology import (
+    DeviceGroup,
+    GroupTopology,
+    TopologyError,
+    build_topology,
+    check_backend,
+    check_model_dir,
+    parse_devices,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +60,11 @@ class GroupRuntime:
 
     def __init__(self, settings: Settings, app: Celery, model_name: str, model_dir: str,
                  group_id: str, *, heartbeat_seconds: float = 2.0,
-                 concurrency: int = DEFAULT_CONCURRENCY) -> None:
+                 concurrency: int = DEFAULT_CONCURRENCY, group: DeviceGroup | None = None,
+                 tp_timeout_seconds: float = 120.0) -> None:
+        self.group = group
+        self.tp_timeout_seconds = tp_timeout_seconds
+        self.failure: str | None = None  # why the group's runner failed (it then exits)
         self.settings = settings
         self.app = app
         self.model_name = model_name
@@ -74,10 +95,16 @@ class GroupRuntime:
             enable_prefix_caching=s.enable_prefix_caching,
         )
         started = time.monotonic()
-        self.engine = Engine.from_checkpoint(self.model_dir, dtype=s.dtype, device=s.device,
-                                             kv_cache_bytes=s.kv_cache_bytes, config=config,
-                                             kv_tiers=s.kv_tiers, kv_key_prefix=s.redis_prefix,
-                                             kv_reuse_filter=s.kv_reuse_filter)
+        group = self.group or build_topology(s.device, None, 1).groups[0]
+        tp = group.tp_size
+        self.engine = Engine.from_checkpoint(
+            self.model_dir, dtype=s.dtype,
+            device=group.kind.value if tp > 1 else group.device_name(0),
+            kv_cache_bytes=s.kv_cache_bytes, config=config, kv_tiers=s.kv_tiers,
+            kv_key_prefix=s.redis_prefix, kv_reuse_filter=s.kv_reuse_filter,
+            tensor_parallel_size=tp, device_indices=group.devices if tp > 1 else None,
+            tp_timeout_seconds=self.tp_timeout_seconds,
+        )
         logger.info("group %s loaded %s from %s in %.1fs (max_model_len %d)", self.group_id,
                     self.model_name, self.model_dir, time.monotonic() - started,
                     self.engine.max_model_len)
@@ -94,10 +121,18 @@ class GroupRuntime:
         self.admission = JobAdmission(s, session_factory, self.redis, self.batcher,
                                       self.writer, self.group_id, self.send_generate)
         self.cancels = CancelListener(self.redis, s, self.batcher.cancel)
+        runner = self.engine.runner
+        topology = GroupTopology(
+            device_kind=group.kind.value, devices=group.device_names, tp_size=tp,
+            num_kv_blocks=self.engine.num_blocks,
+            num_kv_tokens=self.engine.num_blocks * self.engine.block_size,
+            rank_pids=list(getattr(runner, "rank_pids", [os.getpid()])),
+        )
         identity = GroupIdentity(
-            group_id=self.group_id, model=self.model_name, devices=[s.device],
+            group_id=self.group_id, model=self.model_name, devices=group.device_names,
             capacity=s.max_num_seqs, max_model_len=self.engine.max_model_len,
             max_num_batched_tokens=s.max_num_batched_tokens, block_size=s.block_size,
+            topology=asdict(topology),
         )
         self.heartbeat = Heartbeat(self.redis, s, identity, self._load,
                                    interval=self.heartbeat_seconds, metrics=self.batcher.metrics)
@@ -106,7 +141,24 @@ class GroupRuntime:
         self.cancels.start()
         self.heartbeat.start()
         self._started = True
+        if hasattr(runner, "on_failure"):
+            runner.on_failure(self._on_runner_failure)
         logger.info("group %s serving queue %s", self.group_id, s.queue_for(self.model_name))
+
+    def _on_runner_failure(self, reason: str) -> None:
+        """A TP rank is lost: admit nothing more, let the batcher fail the running jobs
+        (its step raises), then stop the worker so the queue goes to healthy groups."""
+        self.failure = reason
+        logger.error("group %s cannot run another step (%s); stopping", self.group_id, reason)
+        self.batcher.stop_admitting()  # waiting and new messages go back to the queue
+
+        def stop_worker() -> None:
+            deadline = time.monotonic() + self.tp_timeout_seconds + 10.0
+            while self.batcher.load().num_jobs and time.monotonic() < deadline:
+                time.sleep(0.1)
+            os.kill(os.getpid(), signal.SIGTERM)  # Celery's warm shutdown runs our drain
+
+        threading.Thread(target=stop_worker, name="llmq-group-failed", daemon=True).start()
 
     def send_generate(self, job_id: str) -> None:
         send_generate(self.app, self.settings, job_id, self.model_name)
@@ -203,7 +255,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--group-id", help="device group id (default: <host>-<pid>)")
     parser.add_argument("--concurrency", type=int, default=DEFAULT_CONCURRENCY,
                         help="Celery task threads (admission only)")
-    parser.add_argument("--device")
+    parser.add_argument("--device", help="device kind: cpu, cuda or npu (cuda:1 = one "
+                                         "device; default LLMQ_DEVICE)")
+    parser.add_argument("--devices", help="this host's device indices to serve, e.g. 0,1,2,3 "
+                                          "or 0-3 (logical ranks on CPU); split into groups "
+                                          "of --tp")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel size: devices per group (default 1)")
+    parser.add_argument("--group-index", type=int,
+                        help="run only this group of the topology (one group per process, "
+                             "e.g. one compose service per group)")
+    parser.add_argument("--tp-timeout", type=float, default=120.0,
+                        help="seconds a TP collective or rank may stall before the group "
+                             "is declared failed")
     parser.add_argument("--dtype")
     parser.add_argument("--block-size", type=int)
     parser.add_argument("--kv-cache-bytes", type=int)
@@ -250,6 +314,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.concurrency < 1:
         print("error: --concurrency must be >= 1", file=sys.stderr)
         return 2
+    try:
+        topology = build_topology(settings.device,
+                                  parse_devices(args.devices) if args.devices else None,
+                                  args.tp)
+        check_backend(topology)
+        check_model_dir(model_dir, args.tp)
+    except TopologyError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.group_index is None and len(topology.groups) > 1:
+        from workers.parallel.groups import run_groups
+
+        return run_groups(list(sys.argv[1:] if argv is None else argv), len(topology.groups),
+                          args.group_id)
+    index = args.group_index or 0
+    if not 0 <= index < len(topology.groups):
+        print(f"error: --group-index {index}: the topology has {len(topology.groups)} "
+              f"group(s) (0..{len(topology.groups) - 1})", file=sys.stderr)
+        return 2
     # NOTE: the batcher thread holds the GIL through most of a step; a thread waiting for
     # it (the step publisher: tokens out of the door) would wait up to the 5 ms default
     # switch interval. 0.5 ms bounds that wait at a negligible cost to the step.
@@ -258,14 +341,22 @@ def main(argv: list[str] | None = None) -> int:
     app = create_celery(settings)
     runtime = GroupRuntime(settings, app, args.model_name, model_dir, group_id,
                            heartbeat_seconds=args.heartbeat_seconds,
-                           concurrency=args.concurrency)
+                           concurrency=args.concurrency, group=topology.groups[index],
+                           tp_timeout_seconds=args.tp_timeout)
     build_app(settings, runtime)
-    app.worker_main([
-        "worker", "--pool=threads", "--concurrency", str(args.concurrency),
-        "-Q", settings.queue_for(args.model_name), "--prefetch-multiplier=1",
-        "-n", f"{group_id}@{socket.gethostname()}", "--without-gossip", "--without-mingle",
-        "--without-heartbeat", "--loglevel", args.loglevel.upper(),
-    ])
+    try:
+        app.worker_main([
+            "worker", "--pool=threads", "--concurrency", str(args.concurrency),
+            "-Q", settings.queue_for(args.model_name), "--prefetch-multiplier=1",
+            "-n", f"{group_id}@{socket.gethostname()}", "--without-gossip",
+            "--without-mingle", "--without-heartbeat", "--loglevel", args.loglevel.upper(),
+        ])
+    except SystemExit as exc:
+        if runtime.failure is None and exc.code not in (None, 0):
+            raise
+    if runtime.failure is not None:
+        logger.error("group %s exits after a failure: %s", group_id, runtime.failure)
+        return 1
     return 0
 
 

@@ -1,0 +1,110 @@
+"""A tensor-parallel device group in the whole pipeline: `python -m workers.worker
+--devices 0,1 --tp 2` (rank 0 in the worker, rank 1 a spawned process, gloo on CPU)
+serves jobs over HTTP exactly like one device, reports its topology, and a killed rank
+fails its running jobs with a reason and stops the worker instead of hanging."""
+
+from __future__ import annotations
+
+import os
+import signal
+import uuid
+
+import pytest
+import requests
+
+from tasks.models import JobStatus
+from tests.pipeline_helpers import (
+    WorkerProcess,
+    iter_sse,
+    read_job,
+    read_stream,
+    submit,
+    wait_for,
+    wait_terminal,
+)
+
+pytestmark = pytest.mark.integration
+
+TP_ARGS = ["--devices", "0,1", "--tp", "2", "--max-num-seqs", "8",
+           "--kv-cache-bytes", str(8 * 1024 * 1024), "--concurrency", "2",
+           "--tp-timeout", "30"]
+
+
+@pytest.fixture
+def base_url(start_web, service_settings):
+    return start_web(service_settings)
+
+
+@pytest.fixture
+def tp_group(service_settings, redis_client, tmp_path_factory):
+    worker = WorkerProcess(service_settings, f"tp-{uuid.uuid4().hex[:4]}",
+                           tmp_path_factory.mktemp("workers"), args=TP_ARGS)
+    try:
+        worker.wait_ready(redis_client)
+        yield worker
+    finally:
+        worker.terminate()
+
+
+def test_tp_group_serves_the_tp1_text_and_reports_its_topology(base_url, tp_group,
+                                                               redis_client, session_factory,
+                                                               service_settings):
+    from tasks.params import SamplingParams
+    from workers.llm import LLM
+
+    topology = tp_group.heartbeat(redis_client)["topology"]
+    assert topology["device_kind"] == "cpu" and topology["tp_size"] == 2
+    assert topology["devices"] == ["cpu", "cpu"] and len(set(topology["rank_pids"])) == 2
+    assert topology["rank_pids"][0] == tp_group.process.pid
+    assert topology["num_kv_tokens"] == topology["num_kv_blocks"] * 16 > 0
+    models = requests.get(f"{base_url}/v1/models", timeout=10).json()["data"]
+    shown = [g for m in models for g in m["groups"] if g["id"] == tp_group.group_id]
+    assert shown and shown[0]["topology"] == topology
+    ready = requests.get(f"{base_url}/ready", timeout=10).json()
+    assert any(g["id"] == tp_group.group_id and g["tp_size"] == 2
+               for g in ready["checks"]["topology"]["tiny"])
+
+    prompts = ["the quick brown fox", "tensor parallel"]
+    jobs = [submit(base_url, prompt=p, max_tokens=32, temperature=0.0, ignore_eos=True)
+            for p in prompts]
+    rows = [wait_terminal(session_factory, job["id"], timeout=120) for job in jobs]
+    assert {row.status for row in rows} == {JobStatus.SUCCEEDED.value}
+    assert {row.worker for row in rows} == {tp_group.group_id}
+    streamed = [[t for e in iter_sse(base_url, job["id"]) if e.event == "token"
+                 for t in e.data["token_ids"]] for job in jobs]
+    with LLM(service_settings.models["tiny"], max_num_seqs=8) as offline:
+        expected = offline.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0,
+                                                            ignore_eos=True))
+    assert streamed == [out.token_ids for out in expected]
+    assert [row.output[0]["token_ids"] for row in rows] == streamed
+
+
+def test_a_killed_rank_fails_running_jobs_and_stops_the_worker(base_url, service_settings,
+                                                               redis_client, session_factory,
+                                                               tmp_path_factory):
+    victim = WorkerProcess(service_settings, f"tp-victim-{uuid.uuid4().hex[:4]}",
+                           tmp_path_factory.mktemp("workers"), args=TP_ARGS)
+    try:
+        beat = victim.wait_ready(redis_client)
+        ids = [submit(base_url, prompt=f"rank loss {i}", max_tokens=1500, ignore_eos=True,
+                      temperature=0.0)["id"] for i in range(3)]
+        wait_for(lambda: all(read_job(session_factory, i).first_token_at for i in ids),
+                 90, "every job generating on the TP group")
+        assert {read_job(session_factory, i).worker for i in ids} == {victim.group_id}
+        rank1 = beat["topology"]["rank_pids"][1]
+        os.kill(rank1, signal.SIGKILL)
+        rows = [wait_terminal(session_factory, i, timeout=60) for i in ids]
+        # the worker does not hang: it stops consuming and exits non-zero
+        code = wait_for(lambda: victim.process.poll(), 90, "the worker to exit",
+                        interval=0.2)
+        assert code not in (None, 0), victim.log_tail()
+    finally:
+        victim.terminate()
+    for row in rows:
+        assert row.status == JobStatus.FAILED.value and row.finish_reason == "error"
+        assert f"rank 1 (pid {rank1}) died" in row.error
+        assert 0 < row.completion_tokens < 1500
+        events = [e for _, e in read_stream(redis_client, service_settings, str(row.id))]
+        assert [e.type.value for e in events].count("error") == 1
+        assert events[-1].type.value == "error" and "died" in events[-1].error
+    assert victim.heartbeat(redis_client) is None
