@@ -108,3 +108,44 @@ def test_a_killed_rank_fails_running_jobs_and_stops_the_worker(base_url, service
         assert [e.type.value for e in events].count("error") == 1
         assert events[-1].type.value == "error" and "died" in events[-1].error
     assert victim.heartbeat(redis_client) is None
+
+
+def test_one_invocation_runs_a_worker_per_group_and_forwards_sigterm(
+        service_settings, redis_client, tmp_path_factory, base_url, session_factory):
+    """`--devices 0,1 --tp 1` on CPU: two groups, each its own child worker consuming the
+    model's queue; SIGTERM to the supervisor drains both and it exits 0."""
+    supervisor = WorkerProcess(service_settings, f"host-{uuid.uuid4().hex[:4]}",
+                               tmp_path_factory.mktemp("workers"),
+                               args=["--devices", "0,1", "--tp", "1", "--max-num-seqs", "4",
+                                     "--kv-cache-bytes", str(4 * 1024 * 1024),
+                                     "--concurrency", "1"])
+    groups = [f"{supervisor.group_id}-g{i}" for i in range(2)]
+    try:
+        beats = wait_for(lambda: (lambda b: b if all(b) else None)(
+            [_heartbeat(redis_client, service_settings, g) for g in groups]),
+            90, "a heartbeat from each group")
+        pids = {beat["pid"] for beat in beats}
+        assert len(pids) == 2 and supervisor.process.pid not in pids
+        assert [beat["devices"] for beat in beats] == [["cpu"], ["cpu"]]
+        jobs = [submit(base_url, prompt=f"group {i}", max_tokens=8) for i in range(6)]
+        rows = [wait_terminal(session_factory, job["id"], timeout=60) for job in jobs]
+        assert {row.status for row in rows} == {JobStatus.SUCCEEDED.value}
+        assert {row.worker for row in rows} <= set(groups)
+    finally:
+        code = supervisor.terminate()
+    assert code == 0, supervisor.log_tail()
+    assert all(_heartbeat(redis_client, service_settings, g) is None for g in groups)
+    for pid in pids:  # the children are gone too
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def _heartbeat(redis_client, settings, group_id):
+    import json
+
+    from tasks.protocol import group_alive_key, groups_key
+
+    if not redis_client.exists(group_alive_key(settings, "tiny", group_id)):
+        return None
+    raw = redis_client.hget(groups_key(settings, "tiny"), group_id)
+    return json.loads(raw) if raw else None
