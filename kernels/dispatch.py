@@ -68,3 +68,10 @@ def get(name: str, device_type: str) -> Callable:
                         fn.__qualname__)
         _chosen[key] = fn
     return fn
+
+
+def log_choices(device_type: str) -> None:
+    """Resolve (and so log) the implementation of every kernel on `device_type`; the
+    runner calls this when it starts, so the choice is in the log before the first step."""
+    for name in KERNEL_NAMES:
+        get(name, device_type)
