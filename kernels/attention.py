@@ -8,8 +8,11 @@ a layer sees `kv_cache[:, 0, layer]` (K) and `kv_cache[:, 1, layer]` (V), each
 One step mixes two kinds of work, both described by `AttentionMetadata`:
 * chunks: several tokens of one sequence (a prompt, or a piece of it after a cached
   prefix): causal within the chunk, full over the prefix;
-* decodes: one token per sequence, batched: one gather over the padded block tables and
-  one masked attention call for all of them.
+* decodes: one token per sequence. Their blocks are copied out of the layer's cache with
+  ONE unpadded `index_select` (only the blocks the sequences own, no padding to the
+  longest table), then each sequence attends over its exact context length in that flat
+  copy: no mask, no padded keys. (`benchmarks/bench_attention.py` compares this with a
+  padded batched gather, per-sequence gathers and a fully vectorized segment softmax.)
 """
 
 from __future__ import annotations
@@ -26,15 +29,16 @@ class PrefillChunk:
     num_tokens: int
     start_pos: int  # tokens of this sequence already in the cache before the chunk
     block_table: torch.Tensor | None  # [num_context_blocks] int64; None when start_pos == 0
-    mask: torch.Tensor | None  # [num_tokens, num_context_blocks * block_size] bool
+    mask: torch.Tensor | None  # [num_tokens, start_pos + num_tokens] bool, True = attend
 
 
 @dataclass(slots=True)
 class DecodeBatch:
     rows: torch.Tensor  # [num_decodes] int64, rows in the flattened batch
     rows_are_all: bool  # the rows are exactly 0..num_tokens-1 (a pure decode step)
-    block_tables: torch.Tensor  # [num_decodes, max_num_blocks] int64, padded with block 0
-    mask: torch.Tensor  # [num_decodes, 1, 1, max_num_blocks * block_size] bool, True = attend
+    block_ids: torch.Tensor  # [sum of num_blocks] int64, every decode's table, concatenated
+    context_lens: list[int]  # [num_decodes] tokens each decode attends to (new one included)
+    context_starts: list[int]  # [num_decodes] first token of each context in the flat copy
 
 
 @dataclass(slots=True)
@@ -59,23 +63,29 @@ def build_attention_metadata(
     slot_offsets: list[int] = []
     chunks: list[PrefillChunk] = []
     dec_rows: list[int] = []
-    dec_tables: list[list[int]] = []
+    dec_blocks: list[int] = []
     dec_lens: list[int] = []
+    dec_starts: list[int] = []
     row = 0
     for start, n, table in spans:
         end = start + n
         table = table[: -(-end // block_size)]
+        if n == 1:
+            slot_blocks.append(table[start // block_size])
+            slot_offsets.append(start % block_size)
+            dec_rows.append(row)
+            dec_starts.append(len(dec_blocks) * block_size)
+            dec_blocks.extend(table)
+            dec_lens.append(end)
+            row += 1
+            continue
         for pos in range(start, end):
             slot_blocks.append(table[pos // block_size])
             slot_offsets.append(pos % block_size)
-        if n == 1:
-            dec_rows.append(row)
-            dec_tables.append(table)
-            dec_lens.append(end)
-        elif start == 0:
+        if start == 0:
             chunks.append(PrefillChunk(row, n, 0, None, None))
         else:
-            keys = torch.arange(len(table) * block_size, device=dev)
+            keys = torch.arange(end, device=dev)
             queries = torch.arange(start, end, device=dev)
             mask = keys[None, :] <= queries[:, None]  # causal, aligned to the context's end
             table_t = torch.tensor(table, dtype=torch.int64, device=dev)
@@ -83,15 +93,12 @@ def build_attention_metadata(
         row += n
     decodes = None
     if dec_rows:
-        max_blocks = max(len(t) for t in dec_tables)
-        padded = [t + [0] * (max_blocks - len(t)) for t in dec_tables]  # block 0: masked
-        keys = torch.arange(max_blocks * block_size, device=dev)
-        lens = torch.tensor(dec_lens, dtype=torch.int64, device=dev)
         decodes = DecodeBatch(
             rows=torch.tensor(dec_rows, dtype=torch.int64, device=dev),
             rows_are_all=len(dec_rows) == row,
-            block_tables=torch.tensor(padded, dtype=torch.int64, device=dev),
-            mask=(keys[None, :] < lens[:, None])[:, None, None, :],
+            block_ids=torch.tensor(dec_blocks, dtype=torch.int64, device=dev),
+            context_lens=dec_lens,
+            context_starts=dec_starts,
         )
     return AttentionMetadata(
         kv_cache=kv_cache,
@@ -131,7 +138,7 @@ def paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     decodes = meta.decodes
     if decodes is not None and decodes.rows_are_all:
-        return _decode(q, k_cache, v_cache, decodes).reshape(num_tokens, num_heads * head_dim)
+        return _decode(q, k_cache, v_cache, decodes).view(num_tokens, num_heads * head_dim)
     out = q.new_empty(num_tokens, num_heads * head_dim)
     for chunk in meta.chunks:
         rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
@@ -150,10 +157,11 @@ def _chunk(q, k, v, k_cache, v_cache, chunk: PrefillChunk) -> torch.Tensor:
         vh = v.transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
     else:
-        # after a cached prefix: read the whole context back from the cache, and align the
-        # causal mask to its end (query i sits at position start_pos + i)
-        kc = _gather(k_cache, chunk.block_table.unsqueeze(0))
-        vc = _gather(v_cache, chunk.block_table.unsqueeze(0))
+        # after a cached prefix: read the context back from the cache (exactly its length),
+        # and align the causal mask to its end (query i sits at position start_pos + i)
+        context_len = chunk.start_pos + chunk.num_tokens
+        kc = _gather(k_cache, chunk.block_table)[:context_len].transpose(0, 1).unsqueeze(0)
+        vc = _gather(v_cache, chunk.block_table)[:context_len].transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(qh, kc, vc, attn_mask=chunk.mask, enable_gqa=True)
     return o.squeeze(0).transpose(0, 1)
 
@@ -163,17 +171,31 @@ def _decode(q, k_cache, v_cache, decodes: DecodeBatch) -> torch.Tensor:
     num_decodes, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     # NOTE: every query of a decode sits at the same position, so the query heads sharing
-    # a KV head can stand in the "query length" dim: no KV repetition for GQA.
-    qh = q.view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    kc = _gather(k_cache, decodes.block_tables)
-    vc = _gather(v_cache, decodes.block_tables)
-    o = F.scaled_dot_product_attention(qh, kc, vc, attn_mask=decodes.mask)
-    return o.reshape(num_decodes, num_heads, head_dim)
+    # a KV head form one [group, head_dim] matrix against that head's keys: no KV
+    # repetition for GQA, and one matmul per sequence instead of one per head.
+    qh = (q * head_dim**-0.5).view(num_decodes, num_kv_heads, num_heads // num_kv_heads,
+                                   head_dim)
+    keys = _gather(k_cache, decodes.block_ids)  # [sum of tables * block_size, KVH, D]
+    values = _gather(v_cache, decodes.block_ids)
+    out = q.new_empty(qh.shape)
+    # NOTE: a plain matmul/softmax/matmul per sequence beats SDPA here: with 1-3 queries
+    # per KV head its flash kernel's blocking costs more than the math it saves.
+    for i, (start, length) in enumerate(zip(decodes.context_starts, decodes.context_lens)):
+        kc = keys[start:start + length].transpose(0, 1)  # [KVH, length, D], a view
+        vc = values[start:start + length].transpose(0, 1)
+        scores = torch.matmul(qh[i], kc.transpose(1, 2))  # [KVH, group, length]
+        torch.matmul(scores.softmax(-1), vc, out=out[i])
+    return out.view(num_decodes, num_heads, head_dim)
 
 
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """[batch, num_kv_heads, max_num_blocks * block_size, head_dim] view of the blocks."""
-    batch, max_blocks = block_tables.shape
-    _, block_size, num_kv_heads, head_dim = cache.shape
-    blocks = cache[block_tables]  # [batch, max_blocks, block_size, num_kv_heads, head_dim]
-    return blocks.view(batch, max_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """[len(block_ids) * block_size, num_kv_heads, head_dim] copy of the listed blocks.
+
+    NOTE: a layer's view is strided across blocks but each block's slab is contiguous, so
+    the view is handled as 2-D rows `[num_blocks, block_size * num_kv_heads * head_dim]`:
+    `index_select` then copies whole rows, several times faster than on the 4-D view or
+    with advanced indexing.
+    """
+    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+    rows = cache.reshape(num_blocks, block_size * num_kv_heads * head_dim)
+    return rows.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)
