@@ -93,3 +93,24 @@ def test_a_dead_rank_fails_the_step_and_every_later_one(tp_runner):
     assert failures and "died" in failures[0] and len(failures) == 1
     with pytest.raises(TensorParallelError, match="died"):
         tp_runner.execute(_step([7], [2]))
+
+
+def test_kv_tier_blocks_written_by_one_tp_group_are_hits_for_another(tiny_qwen3_dir,
+                                                                     tmp_path):
+    """A TP group's tier blob holds every rank's slab: a second group loads the prefix
+    from the tier and generates the same tokens."""
+    from workers.llm import LLM
+
+    tier = f"file://{tmp_path}/kv?max_bytes=100000000"
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompt = list(range(5, 70))  # 65 tokens: 4 full blocks
+    with LLM(str(tiny_qwen3_dir), dtype="float32", tensor_parallel_size=2,
+             kv_tiers=[tier], kv_cache_bytes=1 << 20) as first:
+        expected = first.generate([prompt], params)[0].token_ids
+    with LLM(str(tiny_qwen3_dir), dtype="float32", tensor_parallel_size=2,
+             kv_tiers=[tier], kv_cache_bytes=1 << 20) as second:
+        out = second.generate([prompt], params)[0]
+        figures = second.engine.kv_tiering.figures()
+    assert out.token_ids == expected
+    assert out.num_cached_tokens == 64
+    assert sum(f["hit_blocks"] for f in figures.values()) == 4

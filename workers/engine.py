@@ -138,16 +138,28 @@ class Engine:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_num_seqs=config.max_num_seqs, timeout_seconds=tp_timeout_seconds,
             )
-            checkpoint = runner.loaded
-        else:
-            checkpoint = load_checkpoint(model_dir, dtype=dtype, device=device)
-            runner = ModelRunner(
-                checkpoint,
-                block_size=config.block_size,
-                kv_cache_bytes=kv_cache_bytes,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_num_seqs=config.max_num_seqs,
-            )
+            try:
+                return cls._with_runner(runner, runner.loaded, config, kv_tiers,
+                                        kv_key_prefix, kv_reuse_filter, tensor_parallel_size)
+            except BaseException:
+                runner.shutdown()  # no rank process outlives a failed build
+                raise
+        checkpoint = load_checkpoint(model_dir, dtype=dtype, device=device)
+        runner = ModelRunner(
+            checkpoint,
+            block_size=config.block_size,
+            kv_cache_bytes=kv_cache_bytes,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+        )
+        return cls._with_runner(runner, checkpoint, config, kv_tiers, kv_key_prefix,
+                                kv_reuse_filter, tensor_parallel_size)
+
+    @classmethod
+    def _with_runner(cls, runner: Any, checkpoint: Any, config: EngineConfig,
+                     kv_tiers: SequenceABC[str], kv_key_prefix: str, kv_reuse_filter: bool,
+                     tensor_parallel_size: int) -> Engine:
+        """The engine around a built runner: context length, KV tiers."""
         max_model_len = checkpoint.max_model_len
         if config.max_model_len is not None:
             if config.max_model_len > checkpoint.max_model_len:
