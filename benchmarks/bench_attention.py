@@ -59,7 +59,8 @@ def per_sequence(q, k_cache, v_cache, tables: list[list[int]], lens: list[int]):
 
 
 def flat_then_slices(q, k_cache, v_cache, tables: list[list[int]], lens: list[int]):
-    """One unpadded gather of every real block, then attention on per-sequence slices."""
+    """One unpadded gather of every real block, then attention on per-sequence slices.
+    (With matmul/softmax/matmul instead of SDPA, this was the kernel's previous form.)"""
     groups = NUM_HEADS // NUM_KV_HEADS
     ids = torch.tensor([b for t in tables for b in t])
     kf = k_cache.index_select(0, ids).flatten(0, 1).transpose(0, 1)
@@ -98,8 +99,8 @@ def segment_softmax(q, k_cache, v_cache, tables: list[list[int]], lens: list[int
 
 def current(q, k_cache, v_cache, tables: list[list[int]], lens: list[int]) -> torch.Tensor:
     """`kernels.attention.paged_attention` (metadata built outside the timing, like the
-    runner does once per step for all layers): one unpadded index_select of the real
-    blocks, then matmul / softmax / matmul per sequence over its exact length."""
+    runner does once per step for all layers): per sequence, an index_select of its
+    blocks' rows, then matmul / softmax / matmul over its exact length."""
     return paged_attention(q, None, None, k_cache, v_cache, _META[0])
 
 

@@ -8,11 +8,12 @@ a layer sees `kv_cache[:, 0, layer]` (K) and `kv_cache[:, 1, layer]` (V), each
 One step mixes two kinds of work, both described by `AttentionMetadata`:
 * chunks: several tokens of one sequence (a prompt, or a piece of it after a cached
   prefix): causal within the chunk, full over the prefix;
-* decodes: one token per sequence. Their blocks are copied out of the layer's cache with
-  ONE unpadded `index_select` (only the blocks the sequences own, no padding to the
-  longest table), then each sequence attends over its exact context length in that flat
-  copy: no mask, no padded keys. (`benchmarks/bench_attention.py` compares this with a
-  padded batched gather, per-sequence gathers and a fully vectorized segment softmax.)
+* decodes: one token per sequence. Each sequence's own blocks are copied out of the
+  layer's cache (one `index_select` of whole block rows, no padding to the longest table)
+  and used at once while the copy is still in cache; it attends over its exact context
+  length: no mask, no padded keys. (`benchmarks/bench_attention.py` compares this with a
+  padded batched gather, one flat gather for all sequences, and a fully vectorized
+  segment softmax.)
 """
 
 from __future__ import annotations
@@ -36,9 +37,8 @@ class PrefillChunk:
 class DecodeBatch:
     rows: torch.Tensor  # [num_decodes] int64, rows in the flattened batch
     rows_are_all: bool  # the rows are exactly 0..num_tokens-1 (a pure decode step)
-    block_ids: torch.Tensor  # [sum of num_blocks] int64, every decode's table, concatenated
+    block_tables: list[torch.Tensor]  # per decode: [num_context_blocks] int64, unpadded
     context_lens: list[int]  # [num_decodes] tokens each decode attends to (new one included)
-    context_starts: list[int]  # [num_decodes] first token of each context in the flat copy
 
 
 @dataclass(slots=True)
@@ -65,7 +65,7 @@ def build_attention_metadata(
     dec_rows: list[int] = []
     dec_blocks: list[int] = []
     dec_lens: list[int] = []
-    dec_starts: list[int] = []
+    dec_num_blocks: list[int] = []
     row = 0
     for start, n, table in spans:
         end = start + n
@@ -74,7 +74,7 @@ def build_attention_metadata(
             slot_blocks.append(table[start // block_size])
             slot_offsets.append(start % block_size)
             dec_rows.append(row)
-            dec_starts.append(len(dec_blocks) * block_size)
+            dec_num_blocks.append(len(table))
             dec_blocks.extend(table)
             dec_lens.append(end)
             row += 1
@@ -96,9 +96,10 @@ def build_attention_metadata(
         decodes = DecodeBatch(
             rows=torch.tensor(dec_rows, dtype=torch.int64, device=dev),
             rows_are_all=len(dec_rows) == row,
-            block_ids=torch.tensor(dec_blocks, dtype=torch.int64, device=dev),
+            # one tensor for every table, split into views: one host-to-device copy
+            block_tables=list(torch.tensor(dec_blocks, dtype=torch.int64,
+                                           device=dev).split(dec_num_blocks)),
             context_lens=dec_lens,
-            context_starts=dec_starts,
         )
     return AttentionMetadata(
         kv_cache=kv_cache,
@@ -175,14 +176,14 @@ def _decode(q, k_cache, v_cache, decodes: DecodeBatch) -> torch.Tensor:
     # repetition for GQA, and one matmul per sequence instead of one per head.
     qh = (q * head_dim**-0.5).view(num_decodes, num_kv_heads, num_heads // num_kv_heads,
                                    head_dim)
-    keys = _gather(k_cache, decodes.block_ids)  # [sum of tables * block_size, KVH, D]
-    values = _gather(v_cache, decodes.block_ids)
     out = q.new_empty(qh.shape)
-    # NOTE: a plain matmul/softmax/matmul per sequence beats SDPA here: with 1-3 queries
-    # per KV head its flash kernel's blocking costs more than the math it saves.
-    for i, (start, length) in enumerate(zip(decodes.context_starts, decodes.context_lens)):
-        kc = keys[start:start + length].transpose(0, 1)  # [KVH, length, D], a view
-        vc = values[start:start + length].transpose(0, 1)
+    # NOTE: per sequence, gather then use at once: the copy (at most a few hundred KB) is
+    # still in cache when the matmul reads it, where one flat gather of every sequence's
+    # blocks goes to memory and back. And a plain matmul/softmax/matmul beats SDPA here:
+    # with a few queries per KV head its flash kernel's blocking costs more than it saves.
+    for i, (table, length) in enumerate(zip(decodes.block_tables, decodes.context_lens)):
+        kc = _gather(k_cache, table)[:length].transpose(0, 1)  # [KVH, length, D]
+        vc = _gather(v_cache, table)[:length].transpose(0, 1)
         scores = torch.matmul(qh[i], kc.transpose(1, 2))  # [KVH, group, length]
         torch.matmul(scores.softmax(-1), vc, out=out[i])
     return out.view(num_decodes, num_heads, head_dim)
