@@ -30,6 +30,22 @@ def test_rms_norm_equals_hf(dtype):
         assert torch.equal(normed, hf(x + residual))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rms_norm_bitwise_equal_to_hf_on_model_shapes(dtype):
+    """The fused formulation must not drift from HF by even one ulp: hidden-size rows
+    (batch 1 to a prefill) and per-head rows of qk-norm, small and large magnitudes."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    torch.manual_seed(3)
+    for shape in [(1, 768), (64, 768), (513, 896), (5, 12, 64), (3, 4, 128), (2, 4096)]:
+        for scale in (1e-3, 1.0, 300.0):
+            x = (torch.randn(*shape) * scale).to(dtype)
+            hf = LlamaRMSNorm(shape[-1], eps=1e-6).to(dtype)
+            with torch.no_grad():
+                hf.weight.copy_(torch.rand(shape[-1]) + 0.5)
+                assert torch.equal(kernels.rms_norm(x, hf.weight, 1e-6), hf(x)), (shape, scale)
+
+
 def test_silu_and_mul():
     x = torch.randn(5, 2 * 24)
     assert torch.equal(kernels.silu_and_mul(x), F.silu(x[:, :24]) * x[:, 24:])
@@ -137,6 +153,35 @@ def test_paged_attention_pure_decode_batch():
         values = v_cache[table].flatten(0, 1)[:n]
         ref = _dense_attention(q[i:i + 1], keys, values, n - 1)
         assert torch.allclose(out[i:i + 1], ref, atol=1e-5)
+
+
+def test_decode_reads_exactly_its_context():
+    """A decode attends to its first `context_len` slots and nothing else: NaN in the
+    unwritten tail of its last block, in blocks past its context in a longer table, in
+    other sequences' blocks and in the other layers must not reach the output."""
+    torch.manual_seed(4)
+    block_size, num_blocks, num_layers = 4, 24, 2
+    kv_cache = torch.full((num_blocks, 2, num_layers, block_size, 2, 16), float("nan"))
+    k_cache, v_cache = kv_cache[:, 0, 1], kv_cache[:, 1, 1]
+    # (context length, table): tables may list more blocks than the context needs
+    cases = [(1, [7, 3]), (6, [11, 2, 19]), (8, [0, 5]), (13, [23, 9, 14, 1, 20])]
+    for n, table in cases:
+        blocks = table[: -(-n // block_size)]
+        slots = k_cache[blocks].flatten(0, 1)
+        slots[:n] = torch.randn(n, 2, 16)  # copy: write back below
+        k_cache[blocks] = slots.view(len(blocks), block_size, 2, 16)
+        slots = v_cache[blocks].flatten(0, 1)
+        slots[:n] = torch.randn(n, 2, 16)
+        v_cache[blocks] = slots.view(len(blocks), block_size, 2, 16)
+    meta = build_attention_metadata(kv_cache, [(n - 1, 1, t) for n, t in cases])
+    q = torch.randn(len(cases), 6, 16)
+    out = kernels.paged_attention(q, None, None, k_cache, v_cache, meta)
+    assert not out.isnan().any()
+    for i, (n, table) in enumerate(cases):
+        keys = k_cache[table].flatten(0, 1)[:n]
+        values = v_cache[table].flatten(0, 1)[:n]
+        ref = _dense_attention(q[i:i + 1], keys, values, n - 1)
+        assert torch.allclose(out[i:i + 1], ref, atol=1e-5), n
 
 
 def test_dispatch_uses_a_registered_backend_then_the_reference():
