@@ -121,9 +121,11 @@ def test_one_invocation_runs_a_worker_per_group_and_forwards_sigterm(
                                      "--concurrency", "1"])
     groups = [f"{supervisor.group_id}-g{i}" for i in range(2)]
     try:
-        beats = wait_for(lambda: (lambda b: b if all(b) else None)(
-            [_heartbeat(redis_client, service_settings, g) for g in groups]),
-            90, "a heartbeat from each group")
+        def every_heartbeat():
+            beats = [_heartbeat(redis_client, service_settings, g) for g in groups]
+            return beats if all(beats) else None
+
+        beats = wait_for(every_heartbeat, 90, "a heartbeat from each group")
         pids = {beat["pid"] for beat in beats}
         assert len(pids) == 2 and supervisor.process.pid not in pids
         assert [beat["devices"] for beat in beats] == [["cpu"], ["cpu"]]

@@ -14,6 +14,7 @@ import itertools
 import logging
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
+from typing import Self
 
 from tasks.params import SamplingParams
 from workers.engine import Engine
@@ -100,7 +101,7 @@ class LLM:
         tensor-parallel rank processes (tensor_parallel_size > 1)."""
         self.engine.close()
 
-    def __enter__(self) -> LLM:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

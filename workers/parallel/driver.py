@@ -170,9 +170,14 @@ class TensorParallelRunner:
         with self._lock:
             self._raise_if_failed()
             per_rank = self._split_loads(out.blocks_to_load)
+            # NOTE: the other ranks never sample: they get the step without the token
+            # histories (which grow with every step), only what the forward reads
+            slim = [replace(seq, prompt_token_ids=[], output_token_ids=[])
+                    for seq in out.scheduled]
             try:
                 for rank, conn in enumerate(self._conns, start=1):
-                    conn.send(RunStep(replace(out, blocks_to_load=per_rank[rank])))
+                    conn.send(RunStep(replace(out, scheduled=slim,
+                                              blocks_to_load=per_rank[rank])))
                 return self._local.execute(replace(out, blocks_to_load=per_rank[0]))
             except Exception as exc:
                 raise self._step_error("a step", exc) from exc
@@ -274,7 +279,7 @@ class TensorParallelRunner:
         def join() -> None:
             try:
                 init_distributed(spec)
-            except BaseException as exc:
+            except BaseException as exc:  # noqa: BLE001  (re-raised in the caller's thread)
                 errors.append(exc)
 
         thread = threading.Thread(target=join, name="llmq-tp-join", daemon=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
@@ -62,6 +63,10 @@ def build_runner(spec: RankSpec, *, with_tokenizer: bool) -> Any:
 
 def rank_main(spec: RankSpec, conn: Connection) -> None:
     """Entry point of a spawned rank process."""
+    # NOTE: rank 0 alone decides when a rank stops (Shutdown, or its pipe closing): a
+    # Ctrl-C or SIGTERM sent to the whole process group must let the worker drain first
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=spec.log_level,
                         format=f"%(asctime)s %(levelname)s tp-rank-{spec.tp_rank} "
                                "%(name)s: %(message)s")
