@@ -114,3 +114,10 @@ def test_kv_tier_blocks_written_by_one_tp_group_are_hits_for_another(tiny_qwen3_
     assert out.token_ids == expected
     assert out.num_cached_tokens == 64
     assert sum(f["hit_blocks"] for f in figures.values()) == 4
+
+
+def test_one_tp_group_per_process(tp_runner, tiny_qwen3_dir):
+    from workers.parallel import TensorParallelError, make_tp_runner
+
+    with pytest.raises(TensorParallelError, match="close\\(\\) the other engine or LLM"):
+        make_tp_runner(str(tiny_qwen3_dir), device="cpu", tp_size=2, dtype="float32")

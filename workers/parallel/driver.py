@@ -74,7 +74,13 @@ class TensorParallelRunner:
         if len(devices) < 2:
             raise ValueError("a tensor-parallel group needs >= 2 devices; use ModelRunner")
         import torch
+        import torch.distributed as dist
 
+        if dist.is_initialized():
+            raise TensorParallelError(
+                "this process already drives a tensor-parallel group (one per process): "
+                "close() the other engine or LLM first"
+            )
         self.tp_size = len(devices)
         self.devices = list(devices)
         self.timeout_seconds = timeout_seconds
