@@ -155,6 +155,8 @@ class KVTiering:
         """
         found = self._found.get(seq_id)
         if found is None:
+            if max_blocks <= num_device_blocks:
+                return []  # nothing to look up now (no room): ask when there is
             found = self._lookup(token_ids, num_device_blocks, max_blocks)
             self._found[seq_id] = found
         if num_device_blocks < found.start:
