@@ -20,38 +20,33 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 from typing import Any
 
+from workers.parallel.launch import (
+    TensorParallelError,
+    free_port,
+    join_process_group,
+    recv,
+    spawn_ranks,
+    wait_ready,
+)
 from workers.parallel.messages import (
     BlocksRead,
-    RankFailed,
-    RankReady,
     RankSpec,
     ReadBlocks,
     RunStep,
     Shutdown,
     WriteBlocks,
 )
-from workers.parallel.rank import build_runner, init_distributed, rank_main
+from workers.parallel.rank import build_runner
 from workers.step_io import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-
-class TensorParallelError(RuntimeError):
-    """The TP group lost a rank (or a rank failed a step); it cannot run another step."""
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class TensorParallelRunner:
@@ -89,7 +84,7 @@ class TensorParallelRunner:
         self._fail_lock = threading.Lock()
         self._closing = False
         self._lock = threading.Lock()  # one pipe conversation at a time, in rank order
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         # CPU ranks share the host's cores: split the intra-op threads between them
         threads = max(1, torch.get_num_threads() // self.tp_size) if devices[0] == "cpu" \
             else None
@@ -102,27 +97,17 @@ class TensorParallelRunner:
                           log_level=logging.getLogger().getEffectiveLevel(),
                           num_threads=threads)
                  for rank in range(self.tp_size)]
-        context = mp.get_context("spawn")
-        self._procs: list[Any] = []
-        self._conns: list[Connection] = []
-        for spec in specs[1:]:
-            parent_end, child_end = context.Pipe()
-            proc = context.Process(target=rank_main, args=(spec, child_end),
-                                   name=f"llmq-tp-rank-{spec.tp_rank}", daemon=True)
-            proc.start()
-            child_end.close()
-            self._procs.append(proc)
-            self._conns.append(parent_end)
+        self._procs, self._conns = spawn_ranks(specs[1:])
         started = time.monotonic()
         try:
-            self._join_process_group(specs[0])
+            join_process_group(specs[0], self._procs)
             self._local = build_runner(specs[0], with_tokenizer=True)
-            self._wait_ready()
+            wait_ready(self._procs, self._conns, self._local.num_blocks, timeout_seconds)
         except BaseException:
             self.shutdown()
             raise
         self.loaded = self._local.loaded  # rank 0's checkpoint: tokenizer, eos ids, config
-        self._wake_r, self._wake_w = context.Pipe(duplex=False)
+        self._wake_r, self._wake_w = mp.get_context("spawn").Pipe(duplex=False)
         self._watchdog = threading.Thread(target=self._watch, name="llmq-tp-watchdog",
                                           daemon=True)
         self._watchdog.start()
@@ -199,7 +184,7 @@ class TensorParallelRunner:
                     conn.send(ReadBlocks(list(block_ids)))
                 parts = [self._local.read_blocks(block_ids)]
                 for conn in self._conns:
-                    parts.append(self._recv(conn, BlocksRead).blobs)
+                    parts.append(recv(conn, BlocksRead, self.timeout_seconds).blobs)
             except Exception as exc:
                 raise self._step_error("reading KV blocks", exc) from exc
         return [b"".join(slabs) for slabs in zip(*parts)]
@@ -266,54 +251,6 @@ class TensorParallelRunner:
             for rank in range(self.tp_size):
                 per_rank[rank].append((block_id, blob[rank * size:(rank + 1) * size]))
         return per_rank
-
-    def _recv(self, conn: Connection, expected: type) -> Any:
-        if not conn.poll(self.timeout_seconds):
-            raise TimeoutError(f"no answer from a TP rank in {self.timeout_seconds:.0f}s")
-        message = conn.recv()
-        if isinstance(message, RankFailed):
-            raise TensorParallelError(f"TP rank {message.tp_rank} failed: {message.reason}")
-        if not isinstance(message, expected):
-            raise TypeError(f"expected {expected.__name__}, got {type(message).__name__}")
-        return message
-
-    def _join_process_group(self, spec: RankSpec) -> None:
-        """`init_distributed` for rank 0, failing fast when a rank dies before joining
-        (the rendezvous itself would wait `timeout_seconds`)."""
-        errors: list[BaseException] = []
-
-        def join() -> None:
-            try:
-                init_distributed(spec)
-            except BaseException as exc:  # noqa: BLE001  (re-raised in the caller's thread)
-                errors.append(exc)
-
-        thread = threading.Thread(target=join, name="llmq-tp-join", daemon=True)
-        thread.start()
-        while thread.is_alive():
-            thread.join(0.1)
-            for rank, proc in enumerate(self._procs, start=1):
-                if not proc.is_alive():
-                    raise TensorParallelError(
-                        f"TP rank {rank} (pid {proc.pid}) exited with code {proc.exitcode} "
-                        f"before joining the group; see its log")
-        if errors:
-            raise errors[0]
-
-    def _wait_ready(self) -> None:
-        num_blocks = {0: self._local.num_blocks}
-        for rank, (proc, conn) in enumerate(zip(self._procs, self._conns), start=1):
-            ready = wait([conn, proc.sentinel], timeout=self.timeout_seconds)
-            if not ready:
-                raise TensorParallelError(f"TP rank {rank} did not load its shard within "
-                                          f"{self.timeout_seconds:.0f}s")
-            if conn not in ready and not conn.poll():
-                raise TensorParallelError(f"TP rank {rank} (pid {proc.pid}) exited with code "
-                                          f"{proc.exitcode} while loading; see its log")
-            message = self._recv(conn, RankReady)
-            num_blocks[rank] = message.num_blocks
-        if len(set(num_blocks.values())) != 1:
-            raise TensorParallelError(f"TP ranks disagree on the KV cache size: {num_blocks}")
 
     def _raise_if_failed(self) -> None:
         if self._failure is not None:
