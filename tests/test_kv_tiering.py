@@ -262,3 +262,77 @@ def test_lookup_failures_and_wrong_length_payloads_are_misses(
     finally:
         tiering.offload.lookup = real_lookup  # type: ignore[method-assign]
         llm.close()
+
+
+# --- the scheduler's side, with a fake runner (exact block ids) ---------------------------
+
+
+class FakeBlocks:
+    """Block bytes keyed by id, like the runner's cache: read what `load` wrote."""
+
+    bytes_per_block = 64
+
+    def __init__(self) -> None:
+        self.read: list[bytes] = []  # every payload read, in order
+
+    def read_blocks(self, block_ids: list[int]) -> list[bytes]:
+        payloads = [bytes([i % 256, len(self.read) % 256]) * 32 for i in block_ids]
+        self.read += payloads
+        return payloads
+
+
+def test_scheduler_loads_tier_blocks_into_fresh_blocks_and_asks_once(tmp_path: Path) -> None:
+    from kvcache.block_format import BlockMeta
+    from kvcache.kv_cache_manager import KVCacheManager
+    from kvcache.offload import KVOffloadManager
+    from workers.kv_tiering import KVTiering
+    from workers.scheduler import Scheduler
+    from workers.sequence import Sequence, SequenceStatus
+
+    bs = 4
+    meta = BlockMeta("f" * 16, "uint8", bs, (64,))
+    offload = KVOffloadManager.from_urls([f"file://{tmp_path}/kv?max_bytes=1000000"], "t", meta)
+    blocks = FakeBlocks()
+    tiering = KVTiering(offload, blocks, bs)
+    calls = []
+    real_lookup = offload.lookup
+    offload.lookup = lambda hashes: calls.append(len(hashes)) or real_lookup(hashes)
+
+    def scheduler(num_blocks: int) -> Scheduler:
+        return Scheduler(KVCacheManager(num_blocks, bs), max_num_seqs=4,
+                         max_num_batched_tokens=64, max_model_len=64, tiering=tiering)
+
+    params = SamplingParams(max_tokens=2)
+    prompt = list(range(1, 18))  # 4 full blocks + 1 token
+
+    # engine 1 computes the prompt; at its end blocks 0-3 go to the tier
+    first = scheduler(8)
+    seq = Sequence(0, "a", 0, prompt, params)
+    first.add_seqs([seq])
+    out = first.schedule()
+    assert out.blocks_to_load == [] and calls == [4]
+    first.finish_seqs([seq], SequenceStatus.FINISHED_LENGTH)
+    assert tiering.flush(10) and offload.stats().num_stored_blocks == 4
+    stored = list(blocks.read)
+
+    # engine 2: a cold device; while there is no room it asks nothing and waits
+    second = scheduler(7)
+    hog = Sequence(1, "hog", 0, list(range(100, 124)), params)  # 6 of the 7 blocks
+    second.add_seqs([hog])
+    second.schedule()
+    assert calls == [4, 5]  # the hog's own admission
+    seq = Sequence(2, "b", 0, prompt, params)
+    second.add_seqs([seq])
+    for _ in range(2):
+        assert second.schedule().blocks_to_load == [] and seq.status == SequenceStatus.WAITING
+    assert calls == [4, 5]  # no room: no lookup, none remembered
+    second.finish_seqs([hog], SequenceStatus.FINISHED_ABORTED)
+    out = second.schedule()
+    table = seq.block_table
+    # blocks 0-3 from the tier into fresh blocks; only the last token is computed
+    assert [block_id for block_id, _ in out.blocks_to_load] == table[:4]
+    assert [payload for _, payload in out.blocks_to_load] == stored
+    (scheduled,) = out.scheduled
+    assert scheduled.start_pos == 16 and scheduled.token_ids == [17]
+    assert seq.num_cached_tokens == 16 and calls == [4, 5, 4]
+    tiering.close()
