@@ -35,8 +35,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tasks.params import SamplingParams  # noqa: E402
-from workers.engine import Engine, EngineConfig  # noqa: E402
+from tasks.params import SamplingParams
+from workers.engine import Engine, EngineConfig
 
 BLOCK_SIZE = 16
 
@@ -122,7 +122,7 @@ def run_mode(mode: str, model_dir: str, tiers: list[str], requests: list[list[in
                 result.num_output_tokens += len(tokens)
     result.seconds = time.perf_counter() - began
     if tiering is not None:
-        mine, stats = tiering.stats()
+        _, stats = tiering.stats()
         result.tier_line = "; ".join(
             f"{t.name.split('?')[0]}: {t.num_hit_blocks} hit blocks, "
             f"{t.num_loaded_bytes / 2**20:.0f} MiB loaded in {t.load_seconds:.2f}s, "
