@@ -194,9 +194,10 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
 
     NOTE: a layer's view is strided across blocks but each block's slab is contiguous, so
     the view is handled as 2-D rows `[num_blocks, block_size * num_kv_heads * head_dim]`:
-    `index_select` then copies whole rows, several times faster than on the 4-D view or
-    with advanced indexing.
+    `index_select` then copies whole rows (1.2-4x faster than on the 4-D view here, and
+    faster than advanced indexing). `view`, not `reshape`: a layout without contiguous
+    block slabs must fail loudly, not copy the whole cache on every call.
     """
     num_blocks, block_size, num_kv_heads, head_dim = cache.shape
-    rows = cache.reshape(num_blocks, block_size * num_kv_heads * head_dim)
+    rows = cache.view(num_blocks, block_size * num_kv_heads * head_dim)
     return rows.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)
