@@ -100,7 +100,7 @@ def test_polling_shows_partial_output_and_late_readers_get_everything(base_url, 
 
 def test_cancel_stops_a_running_job_and_frees_its_kv_blocks(base_url, group_a, redis_client,
                                                             session_factory):
-    job = submit(base_url, prompt="cancel me", **{**LONG, "max_tokens": 1500})
+    job = submit(base_url, prompt="cancel me", **{**LONG, "max_tokens": 2000})
     wait_for(lambda: get_job(base_url, job["id"])["text"], 60, "the first tokens")
     response = requests.post(f"{base_url}/v1/jobs/{job['id']}/cancel", timeout=10)
     assert response.status_code in (200, 202), response.text
@@ -177,13 +177,13 @@ def test_a_killed_group_loses_no_job(base_url, group_a, service_settings, redis_
 def test_sigterm_drains_and_requeues_what_did_not_finish(base_url, group_a, service_settings,
                                                          redis_client, session_factory,
                                                          tmp_path_factory):
-    drainer = WorkerProcess(service_settings.with_overrides(drain_grace_seconds=0.3),
+    drainer = WorkerProcess(service_settings.with_overrides(drain_grace_seconds=0.0),
                             f"drainer-{uuid.uuid4().hex[:4]}",
                             tmp_path_factory.mktemp("workers"), args=WORKER_ARGS)
     try:
         drainer.wait_ready(redis_client)
         # long enough that the jobs are mid-generation when SIGTERM lands
-        ids = [submit(base_url, prompt=f"drain {i}", **{**LONG, "max_tokens": 1500})["id"]
+        ids = [submit(base_url, prompt=f"drain {i}", **{**LONG, "max_tokens": 2000})["id"]
                for i in range(8)]
         wait_for(lambda: any(read_job(session_factory, i).worker == drainer.group_id
                              and read_job(session_factory, i).first_token_at for i in ids),
