@@ -23,6 +23,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+# Decodes run as one padded batch when its padded slots are at most this multiple of the
+# real ones; otherwise per sequence (see `_decode`).
+_MAX_PADDING = 1.25
+
 
 @dataclass(slots=True)
 class PrefillChunk:
@@ -39,6 +43,9 @@ class DecodeBatch:
     rows_are_all: bool  # the rows are exactly 0..num_tokens-1 (a pure decode step)
     block_tables: list[torch.Tensor]  # per decode: [num_context_blocks] int64, unpadded
     context_lens: list[int]  # [num_decodes] tokens each decode attends to (new one included)
+    # Set only when the tables have nearly equal lengths, so one padded batch wastes little:
+    padded_tables: torch.Tensor | None  # [num_decodes, max_num_blocks] int64
+    mask: torch.Tensor | None  # [num_decodes, 1, 1, max_num_blocks * block_size] bool
 
 
 @dataclass(slots=True)
@@ -93,6 +100,22 @@ def build_attention_metadata(
         row += n
     decodes = None
     if dec_rows:
+        padded_tables: torch.Tensor | None = None
+        dec_mask: torch.Tensor | None = None
+        max_blocks = max(dec_num_blocks)
+        if len(dec_rows) > 1 and len(dec_rows) * max_blocks <= _MAX_PADDING * len(dec_blocks):
+            padded: list[int] = []
+            start = 0
+            for count in dec_num_blocks:
+                table = dec_blocks[start:start + count]
+                # padding repeats the sequence's own first block: finite values, masked out
+                padded.extend(table + table[:1] * (max_blocks - count))
+                start += count
+            padded_tables = torch.tensor(padded, dtype=torch.int64,
+                                         device=dev).view(len(dec_rows), max_blocks)
+            keys = torch.arange(max_blocks * block_size, device=dev)
+            lens = torch.tensor(dec_lens, dtype=torch.int64, device=dev)
+            dec_mask = (keys[None, :] < lens[:, None])[:, None, None, :]
         decodes = DecodeBatch(
             rows=torch.tensor(dec_rows, dtype=torch.int64, device=dev),
             rows_are_all=len(dec_rows) == row,
@@ -100,6 +123,8 @@ def build_attention_metadata(
             block_tables=list(torch.tensor(dec_blocks, dtype=torch.int64,
                                            device=dev).split(dec_num_blocks)),
             context_lens=dec_lens,
+            padded_tables=padded_tables,
+            mask=dec_mask,
         )
     return AttentionMetadata(
         kv_cache=kv_cache,
@@ -176,6 +201,17 @@ def _decode(q, k_cache, v_cache, decodes: DecodeBatch) -> torch.Tensor:
     # repetition for GQA, and one matmul per sequence instead of one per head.
     qh = (q * head_dim**-0.5).view(num_decodes, num_kv_heads, num_heads // num_kv_heads,
                                    head_dim)
+    if decodes.padded_tables is not None and decodes.mask is not None:
+        # nearly equal lengths: one batched gather and two batched matmuls beat a loop of
+        # small ops (at 64 short contexts the loop's per-op overhead dominates)
+        num_padded = decodes.padded_tables.shape[1] * k_cache.shape[1]
+        kc = _gather(k_cache, decodes.padded_tables.flatten())
+        vc = _gather(v_cache, decodes.padded_tables.flatten())
+        kc = kc.view(num_decodes, num_padded, num_kv_heads, head_dim).transpose(1, 2)
+        vc = vc.view(num_decodes, num_padded, num_kv_heads, head_dim).transpose(1, 2)
+        scores = torch.matmul(qh, kc.transpose(2, 3))  # [num_decodes, KVH, group, padded]
+        scores.masked_fill_(~decodes.mask, float("-inf"))
+        return torch.matmul(scores.softmax(-1), vc).view(num_decodes, num_heads, head_dim)
     out = q.new_empty(qh.shape)
     # NOTE: per sequence, gather then use at once: the copy (at most a few hundred KB) is
     # still in cache when the matmul reads it, where one flat gather of every sequence's

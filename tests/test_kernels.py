@@ -155,6 +155,29 @@ def test_paged_attention_pure_decode_batch():
         assert torch.allclose(out[i:i + 1], ref, atol=1e-5)
 
 
+@pytest.mark.parametrize("lens", [[30, 31, 25, 32], [5, 40]])
+def test_decode_batch_padded_or_per_sequence_equals_dense(lens):
+    """Nearly equal contexts run as one padded batch, uneven ones per sequence: both
+    equal dense attention over exactly each context."""
+    torch.manual_seed(5)
+    block_size = 8
+    kv_cache = torch.randn(40, 2, 2, block_size, 2, 16)
+    k_cache, v_cache = kv_cache[:, 0, 1], kv_cache[:, 1, 1]
+    free = list(range(40))
+    random.Random(5).shuffle(free)
+    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in lens]
+    meta = build_attention_metadata(kv_cache, [(n - 1, 1, t) for n, t in zip(lens, tables)])
+    assert meta.decodes is not None
+    assert (meta.decodes.padded_tables is not None) == (lens == [30, 31, 25, 32])
+    q = torch.randn(len(lens), 6, 16)
+    out = kernels.paged_attention(q, None, None, k_cache, v_cache, meta)
+    for i, (table, n) in enumerate(zip(tables, lens)):
+        keys = k_cache[table].flatten(0, 1)[:n]
+        values = v_cache[table].flatten(0, 1)[:n]
+        ref = _dense_attention(q[i:i + 1], keys, values, n - 1)
+        assert torch.allclose(out[i:i + 1], ref, atol=1e-5), n
+
+
 def test_decode_reads_exactly_its_context():
     """A decode attends to its first `context_len` slots and nothing else: NaN in the
     unwritten tail of its last block, in blocks past its context in a longer table, in
