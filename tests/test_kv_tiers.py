@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,20 +11,6 @@ import redis
 
 from kvcache.tiers import DiskTierStore, RedisTierStore, TierStore, make_tier
 from kvcache.tiers.disk_store import file_name_for
-
-
-@pytest.fixture
-def kv_prefix(redis_url: str) -> Iterator[str]:
-    """A key prefix of this test alone; every key under it is deleted afterwards."""
-    prefix = f"llmqtest{uuid.uuid4().hex[:12]}"
-    yield prefix
-    client = redis.Redis.from_url(redis_url)
-    try:
-        keys = list(client.scan_iter(match=prefix + ":*", count=1000))
-        if keys:
-            client.delete(*keys)
-    finally:
-        client.close()
 
 
 @pytest.fixture
