@@ -178,19 +178,7 @@ class Scheduler:
             budget -= num_new
             # NOTE: block_table is the manager's fresh list for this sequence, never
             # mutated afterwards (the next allocation returns a new one): passed uncopied.
-            scheduled.append(
-                ScheduledSequence(
-                    seq.seq_id,
-                    seq.token_ids[start:end],
-                    start,
-                    block_table,
-                    end == len(seq.token_ids),
-                    seq.params,
-                    seq.prompt_token_ids,
-                    seq.output_token_ids,
-                )
-            )
-            seq.num_computed_tokens = end
+            scheduled.append(self._take_chunk(seq, num_new, block_table))
             i += 1
 
         # blocks whose KV this step writes: a waiting sequence must not take them as cached
@@ -269,10 +257,17 @@ class Scheduler:
     def _schedule_chunk(
         self, seq: Sequence, num_new: int, block_table: list[int], writing: set[int]
     ) -> ScheduledSequence:
+        scheduled = self._take_chunk(seq, num_new, block_table)
+        writing.update(self._blocks_written(scheduled))
+        return scheduled
+
+    @staticmethod
+    def _take_chunk(seq: Sequence, num_new: int, block_table: list[int]) -> ScheduledSequence:
+        """The next `num_new` tokens of `seq` as this step's chunk; marks them computed."""
         start = seq.num_computed_tokens
         end = start + num_new
         seq.num_computed_tokens = end
-        scheduled = ScheduledSequence(
+        return ScheduledSequence(
             seq.seq_id,
             seq.token_ids[start:end],
             start,
@@ -282,8 +277,6 @@ class Scheduler:
             seq.prompt_token_ids,
             seq.output_token_ids,
         )
-        writing.update(self._blocks_written(scheduled))
-        return scheduled
 
     def _blocks_written(self, scheduled: ScheduledSequence) -> list[int]:
         start = scheduled.start_pos
