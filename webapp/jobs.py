@@ -33,15 +33,21 @@ DEFAULT_PAGE_SIZE = 20
 MAX_PAGE_SIZE = 100
 
 
+def json_body() -> object:
+    """The request's JSON body; a 400 when it is not JSON (shapes are checked by the schema)."""
+    body = request.get_json(force=True, silent=True)
+    if body is None:
+        raise APIError(400, "invalid_json", "the request body must be JSON (Content-Type: "
+                       "application/json) holding an object")
+    return body
+
+
 @bp.post("")
 def create_job() -> tuple[Response, int]:
     """Validate, tokenize, store the job (queued) and send `generate` for it."""
     svc = services()
     api_key_id = current_api_key_id()
-    body = request.get_json(force=True, silent=True)
-    if body is None:
-        raise APIError(400, "invalid_json", "the request body must be JSON (Content-Type: "
-                       "application/json) holding an object")
+    body = json_body()
     try:
         job_request = parse_job_request(body, max_n=svc.settings.max_n)
     except SchemaError as exc:

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from flask import Blueprint, Response, request, stream_with_context
+from flask import Blueprint, Response, stream_with_context
 
 from tasks.models import Job, JobKind, JobStatus
 from tasks.protocol import EventType, JobEvent
@@ -30,7 +30,7 @@ from tasks.schema import SchemaError
 from webapp.auth import current_api_key_id
 from webapp.errors import APIError
 from webapp.events import terminal_event_from_row
-from webapp.jobs import cancel, served_model, submit_job, tokenize
+from webapp.jobs import cancel, json_body, served_model, submit_job, tokenize
 from webapp.openai_format import (
     ChoiceLogprobs,
     OpenAIRequest,
@@ -103,10 +103,7 @@ def chat_completions() -> Response:
 def _serve(kind: JobKind) -> Response:
     svc = services()
     api_key_id = current_api_key_id()
-    body = request.get_json(force=True, silent=True)
-    if body is None:
-        raise APIError(400, "invalid_json", "the request body must be JSON (Content-Type: "
-                       "application/json) holding an object")
+    body = json_body()
     try:
         req = parse_openai_request(body, kind, max_n=svc.settings.max_n)
     except SchemaError as exc:
