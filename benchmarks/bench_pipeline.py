@@ -140,7 +140,11 @@ class Services:
                else [])],
             cwd=REPO, env=env, stdout=self.logs[1], stderr=subprocess.STDOUT)
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self._wait_ready()
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.close()  # a failed start must not leave servers or the database behind
+            raise
 
     def _wait_ready(self, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout

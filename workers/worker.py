@@ -39,6 +39,7 @@ from celery import Celery, bootsteps
 from tasks.celery_app import create_celery, send_generate
 from tasks.protocol import GENERATE_TASK
 from tasks.settings import Settings
+from workers.host_memory import keep_freed_memory
 from workers.topology import (
     DeviceGroup,
     GroupTopology,
@@ -337,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     # it (the step publisher: tokens out of the door) would wait up to the 5 ms default
     # switch interval. 0.5 ms bounds that wait at a negligible cost to the step.
     sys.setswitchinterval(args.switch_interval)
+    keep_freed_memory()
     group_id = args.group_id or f"{socket.gethostname()}-{os.getpid()}"
     app = create_celery(settings)
     runtime = GroupRuntime(settings, app, args.model_name, model_dir, group_id,
