@@ -50,8 +50,16 @@ class JobEvent:
         """Stream entry fields: the event type plus one JSON payload."""
         # NOTE: a shallow read of the fields, not asdict(): asdict deep-copies recursively
         # and was half the cost of publishing a step's events; the JSON is the same.
+        # NOTE: this JSON is also the SSE `data:` line, passed through as stored: a token
+        # event keeps its (possibly empty) text and its index; other events leave out
+        # empty defaults, which would only confuse clients.
         payload = {name: getattr(self, name) for name in _PAYLOAD_FIELDS}
-        payload = {k: v for k, v in payload.items() if v not in (None, "", [])}
+        if self.type is EventType.TOKEN:
+            payload = {k: v for k, v in payload.items() if v is not None}
+        else:
+            payload = {k: v for k, v in payload.items() if v not in (None, "", [])}
+            if payload.get("index") == 0:
+                del payload["index"]
         return {"type": self.type.value, "data": json.dumps(payload, separators=(",", ":"))}
 
     @classmethod

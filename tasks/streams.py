@@ -10,13 +10,16 @@ both paths and is yielded once; none is lost in between.
 from __future__ import annotations
 
 import logging
+import queue
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import redis
 from redis import Redis
 
+from tasks.live_hub import GAP, LiveHub
 from tasks.protocol import EventType, JobEvent, events_key, live_channel
 from tasks.settings import Settings
 
@@ -61,6 +64,7 @@ return ids
 # Without a heartbeat the subscriber still re-reads the stream when idle this long: it
 # closes any gap a dropped pub/sub connection may have left.
 _IDLE_CATCH_UP_SECONDS = 5.0
+_SUBSCRIBE_TIMEOUT_SECONDS = 5.0
 
 
 def parse_stream_id(entry_id: str | bytes) -> StreamId:
@@ -101,19 +105,43 @@ class EventPublisher:
         return [_text(entry_id) for entry_id in entry_ids]
 
 
+@dataclass(slots=True, frozen=True)
+class StreamEntry:
+    """One event as stored: its stream entry id, type and JSON payload (unparsed)."""
+
+    entry_id: str
+    type: EventType
+    data: str  # JobEvent.to_fields()["data"]
+
+    def event(self) -> JobEvent:
+        return JobEvent.from_fields({"type": self.type.value, "data": self.data})
+
+
 class EventSubscriber:
-    """Reads a job's events: the stored log, or the log followed by live events."""
+    """Reads a job's events: the stored log, or the log followed by live events.
+
+    Live events come through one `LiveHub` per process (one pub/sub connection for every
+    stream the process serves); `close()` stops it.
+    """
 
     def __init__(self, redis: Redis, settings: Settings) -> None:
         self._redis = redis
         self._settings = settings
+        self._hub = LiveHub(redis)
 
-    def read_events(self, job_id: str, after_id: str | None = None) -> list[tuple[str, JobEvent]]:
+    def close(self) -> None:
+        self._hub.close()
+
+    def read_entries(self, job_id: str, after_id: str | None = None) -> list[StreamEntry]:
         """The job's stored events after `after_id` (all when None), oldest first."""
         start = "-" if after_id is None else "(" + after_id
         entries: list[Any] = self._redis.xrange(  # type: ignore[assignment]
             events_key(self._settings, job_id), min=start, max="+")
-        return [(_text(entry_id), JobEvent.from_fields(fields)) for entry_id, fields in entries]
+        return [_stored_entry(entry_id, fields) for entry_id, fields in entries]
+
+    def read_events(self, job_id: str, after_id: str | None = None) -> list[tuple[str, JobEvent]]:
+        """`read_entries`, parsed."""
+        return [(entry.entry_id, entry.event()) for entry in self.read_entries(job_id, after_id)]
 
     def iter_events(
         self,
@@ -121,67 +149,67 @@ class EventSubscriber:
         last_id: str | None = None,
         heartbeat_seconds: float | None = None,
     ) -> Iterator[tuple[str, JobEvent] | None]:
-        """Yield `(entry_id, event)` after `last_id` until (and including) a terminal event.
+        """`iter_entries`, parsed: `(entry_id, event)` or `None` (heartbeat tick)."""
+        for entry in self.iter_entries(job_id, last_id, heartbeat_seconds):
+            yield None if entry is None else (entry.entry_id, entry.event())
+
+    def iter_entries(
+        self,
+        job_id: str,
+        last_id: str | None = None,
+        heartbeat_seconds: float | None = None,
+    ) -> Iterator[StreamEntry | None]:
+        """Yield the entries after `last_id` until (and including) a terminal one.
 
         Yields `None` as a heartbeat tick whenever nothing arrived for `heartbeat_seconds`
         (the SSE view turns it into a comment that keeps proxies from closing the stream).
-        Close the generator to unsubscribe early.
+        Close the generator to stop listening early.
         """
         last = parse_stream_id(last_id) if last_id else (0, 0)
         if last_id:
             last_id = _text(last_id)
-        pubsub = self._redis.pubsub()
+        idle_limit = heartbeat_seconds if heartbeat_seconds else _IDLE_CATCH_UP_SECONDS
+        listener = self._hub.listen(live_channel(self._settings, job_id))
         try:
-            channel = live_channel(self._settings, job_id)
-            pubsub.subscribe(channel)
-            # NOTE: wait for the confirmation so nothing published from now on is missed
-            # by the replay below (which runs on another connection).
-            self._await_subscribed(pubsub, channel)
-            idle_limit = heartbeat_seconds if heartbeat_seconds else _IDLE_CATCH_UP_SECONDS
-            idle_since = time.monotonic()
             while True:
-                # replay (first pass) or catch up (after idling): the stream is the truth
-                for entry_id, event in self.read_events(job_id, last_id):
-                    last, last_id = parse_stream_id(entry_id), entry_id
-                    idle_since = time.monotonic()
-                    yield entry_id, event
-                    if event.type.is_terminal:
+                # NOTE: subscribed first, so nothing published from now on is missed by
+                # the replay below (which runs on another connection).
+                if not listener.subscribed.wait(_SUBSCRIBE_TIMEOUT_SECONDS):
+                    raise redis.TimeoutError(
+                        f"Redis did not confirm the live subscription of job {job_id} in "
+                        f"{_SUBSCRIBE_TIMEOUT_SECONDS:.0f}s")
+                # replay (first pass) or catch up (after idling or a gap): the stream is
+                # the truth
+                for entry in self.read_entries(job_id, last_id):
+                    last, last_id = parse_stream_id(entry.entry_id), entry.entry_id
+                    yield entry
+                    if entry.type.is_terminal:
                         return
+                idle_since = time.monotonic()
                 while True:
                     remaining = idle_limit - (time.monotonic() - idle_since)
                     if remaining <= 0:
+                        if heartbeat_seconds:
+                            yield None
                         break
-                    message = pubsub.get_message(ignore_subscribe_messages=True,
-                                                 timeout=min(remaining, 1.0))
-                    if message is None or message.get("type") != "message":
+                    try:
+                        payload = listener.queue.get(timeout=remaining)
+                    except queue.Empty:
                         continue
-                    entry_id, event = _parse_live(message["data"])
-                    entry = parse_stream_id(entry_id)
-                    if entry <= last:
+                    if payload is GAP:
+                        listener.take_gap()
+                        break
+                    entry = _parse_live(payload)
+                    entry_key = parse_stream_id(entry.entry_id)
+                    if entry_key <= last:
                         continue  # already yielded by the replay
-                    last, last_id = entry, entry_id
+                    last, last_id = entry_key, entry.entry_id
                     idle_since = time.monotonic()
-                    yield entry_id, event
-                    if event.type.is_terminal:
+                    yield entry
+                    if entry.type.is_terminal:
                         return
-                idle_since = time.monotonic()
-                if heartbeat_seconds:
-                    yield None
         finally:
-            try:
-                pubsub.unsubscribe()
-                pubsub.close()
-            except redis.RedisError:
-                logger.debug("unsubscribe from job %s failed", job_id, exc_info=True)
-
-    @staticmethod
-    def _await_subscribed(pubsub: redis.client.PubSub, channel: str, timeout: float = 5.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            message = pubsub.get_message(timeout=max(0.0, deadline - time.monotonic()))
-            if message and message.get("type") == "subscribe":
-                return
-        raise redis.TimeoutError(f"Redis did not confirm SUBSCRIBE {channel} in {timeout:.0f}s")
+            self._hub.leave(listener)
 
 
 def current_output(events: list[tuple[str, JobEvent]]) -> dict[int, str]:
@@ -195,9 +223,14 @@ def current_output(events: list[tuple[str, JobEvent]]) -> dict[int, str]:
     return {index: "".join(parts) for index, parts in sorted(texts.items())}
 
 
-def _parse_live(data: bytes | str) -> tuple[str, JobEvent]:
+def _stored_entry(entry_id: str | bytes, fields: dict[Any, Any]) -> StreamEntry:
+    decoded = {_text(k): _text(v) for k, v in fields.items()}
+    return StreamEntry(_text(entry_id), EventType(decoded["type"]), decoded.get("data") or "{}")
+
+
+def _parse_live(data: bytes | str) -> StreamEntry:
     entry_id, event_type, payload = _text(data).split(" ", 2)
-    return entry_id, JobEvent.from_fields({"type": event_type, "data": payload})
+    return StreamEntry(entry_id, EventType(event_type), payload)
 
 
 def _text(value: str | bytes) -> str:

@@ -13,14 +13,13 @@ import logging
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import asdict
 from typing import Any
 
 from flask import Blueprint, Response, request, stream_with_context
 
 from tasks.models import Job, JobStatus
 from tasks.protocol import EventType, JobEvent
-from tasks.streams import EventSubscriber, parse_stream_id
+from tasks.streams import EventSubscriber, StreamEntry, parse_stream_id
 from webapp.errors import APIError
 from webapp.jobs import load_job
 from webapp.serialize import is_terminal
@@ -63,18 +62,17 @@ def _sse(job_id: str, job: Job, last_id: str | None, subscriber: EventSubscriber
     yield f"retry: {RETRY_MILLISECONDS}\n\n"
     if is_terminal(job):
         # Finished: the stored log is complete (or gone); no need to listen.
-        events = subscriber.read_events(job_id, last_id)
-        for entry_id, event in events:
-            yield format_event(entry_id, event)
-            if event.type.is_terminal:
+        for entry in subscriber.read_entries(job_id, last_id):
+            yield format_entry(entry)
+            if entry.type.is_terminal:
                 return
         if last_id is None or not _stream_has_terminal(subscriber, job_id):
             yield format_event(None, terminal_event_from_row(job))
         return
     terminal_seen_at: float | None = None
-    for item in subscriber.iter_events(job_id, last_id, heartbeat_seconds=heartbeat_seconds):
+    for item in subscriber.iter_entries(job_id, last_id, heartbeat_seconds=heartbeat_seconds):
         if item is not None:
-            yield format_event(*item)
+            yield format_entry(item)
             continue
         yield ": ping\n\n"
         # NOTE: the worker writes the row before the event; a terminal row whose event
@@ -92,18 +90,21 @@ def _sse(job_id: str, job: Job, last_id: str | None, subscriber: EventSubscriber
 
 
 def format_event(entry_id: str | None, event: JobEvent) -> str:
-    payload = {k: v for k, v in asdict(event).items() if k != "type" and v is not None}
-    if event.type is not EventType.TOKEN:
-        # only token events carry a delta; empty defaults would only confuse clients
-        payload = {k: v for k, v in payload.items() if v not in ("", [])}
-        if payload.get("index") == 0:
-            del payload["index"]
+    data = event.to_fields()["data"]
     if event.type is EventType.RESTART:
+        payload = json.loads(data)
         payload["message"] = ("the job restarts from the beginning; discard the output "
                               "received so far")
-    lines = [] if entry_id is None else [f"id: {entry_id}"]
-    lines += [f"event: {event.type.value}", "data: " + json.dumps(payload, separators=(",", ":"))]
-    return "\n".join(lines) + "\n\n"
+        data = json.dumps(payload, separators=(",", ":"))
+    head = "" if entry_id is None else f"id: {entry_id}\n"
+    return f"{head}event: {event.type.value}\ndata: {data}\n\n"
+
+
+def format_entry(entry: StreamEntry) -> str:
+    """An SSE event of a stored entry: its JSON passes through as stored (no re-encode)."""
+    if entry.type is EventType.RESTART:
+        return format_event(entry.entry_id, entry.event())
+    return f"id: {entry.entry_id}\nevent: {entry.type.value}\ndata: {entry.data}\n\n"
 
 
 def terminal_event_from_row(job: Job) -> JobEvent:
@@ -117,7 +118,7 @@ def terminal_event_from_row(job: Job) -> JobEvent:
 
 
 def _stream_has_terminal(subscriber: EventSubscriber, job_id: str) -> bool:
-    return any(event.type.is_terminal for _, event in subscriber.read_events(job_id))
+    return any(entry.type.is_terminal for entry in subscriber.read_entries(job_id))
 
 
 def _reload(session_factory: Any, job_id: str) -> Job | None:

@@ -54,6 +54,7 @@ class Services:
         app.extensions[EXTENSION_KEY] = self
 
     def close(self) -> None:
+        self.subscriber.close()
         self.redis.close()
         self.engine.dispose()
 

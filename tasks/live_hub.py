@@ -1,0 +1,236 @@
+"""One Redis pub/sub connection per process, fanning live job events out to local readers.
+
+A web process serves many event streams at once. With a pub/sub connection per stream,
+every batcher step woke one reader thread per stream just to parse one message each, and
+that wake-up storm cost more than the events themselves. Here one hub thread reads every
+live message of the process and hands it, unparsed, to the reader registered for its
+channel: a `SimpleQueue` put per message.
+
+Protocol of a `Listener` (see `EventSubscriber.iter_entries`): register, wait until the
+SUBSCRIBE is confirmed (`subscribed`), replay the stream, then take live messages from
+`queue`. `GAP` in the queue means messages may have been missed (the hub lost its
+connection, or the reader fell `MAX_QUEUED` behind): wait for `subscribed` again and
+re-read the stream. Nothing is lost; duplicates are left to the reader's id check.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import select
+import threading
+import time
+from typing import Any
+
+import redis
+from redis import Redis
+
+logger = logging.getLogger(__name__)
+
+GAP = object()  # queued instead of messages that may have been missed
+MAX_QUEUED = 4096  # a reader this far behind gets GAP and catches up from the stream
+PING_SECONDS = 10.0  # an idle hub connection is pinged this often (dead peers, proxies)
+RECONNECT_BACKOFF_SECONDS = (0.05, 0.2, 0.5, 1.0, 2.0)
+
+
+class Listener:
+    """One reader's view of one channel."""
+
+    __slots__ = ("channel", "dropping", "queue", "subscribed")
+
+    def __init__(self, channel: bytes) -> None:
+        self.channel = channel
+        self.queue: queue.SimpleQueue[Any] = queue.SimpleQueue()  # bytes payloads or GAP
+        self.subscribed = threading.Event()  # set while the hub's SUBSCRIBE is confirmed
+        self.dropping = False  # GAP queued; messages dropped until the reader takes it
+
+    def take_gap(self) -> None:
+        """The reader took GAP: queue messages again (it re-reads the stream next)."""
+        self.dropping = False
+
+
+class LiveHub:
+    """Started on first use in each process (a forked child starts its own)."""
+
+    def __init__(self, redis_client: Redis) -> None:
+        pool = redis_client.connection_pool
+        # NOTE: no client-side health check: a PING on a subscribed connection is answered
+        # with a pong message the hub reads itself. Liveness is PING_SECONDS below.
+        self._connection_kwargs = {**pool.connection_kwargs, "health_check_interval": 0}
+        self._connection_class = pool.connection_class
+        self._lock = threading.Lock()
+        self._channels: dict[bytes, set[Listener]] = {}
+        self._pending: dict[bytes, int] = {}  # SUBSCRIBEs sent, not yet confirmed
+        self._conn: Any = None  # the hub connection while it is up
+        self._pid: int | None = None
+        self._thread: threading.Thread | None = None
+        self._stopped = threading.Event()
+        self._wake_r, self._wake_w = -1, -1  # a pipe that interrupts the hub's select
+
+    # -- readers (any thread) --------------------------------------------------------------
+
+    def listen(self, channel: str) -> Listener:
+        """Register for `channel`; wait on the listener's `subscribed` before replaying."""
+        self._ensure_started()
+        listener = Listener(channel.encode())
+        with self._lock:
+            listeners = self._channels.setdefault(listener.channel, set())
+            listeners.add(listener)
+            if len(listeners) > 1 and not self._pending.get(listener.channel):
+                listener.subscribed.set()  # the channel is already subscribed
+            elif len(listeners) == 1:
+                self._send_locked("SUBSCRIBE", listener.channel)
+        return listener
+
+    def leave(self, listener: Listener) -> None:
+        with self._lock:
+            listeners = self._channels.get(listener.channel)
+            if listeners is None:
+                return
+            listeners.discard(listener)
+            if not listeners:
+                del self._channels[listener.channel]
+                self._send_locked("UNSUBSCRIBE", listener.channel)
+
+    def close(self) -> None:
+        self._stopped.set()
+        self._wake()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5.0)
+        with self._lock:
+            self._disconnect_locked()
+            for fd in (self._wake_r, self._wake_w):
+                if fd >= 0:
+                    os.close(fd)
+            self._wake_r = self._wake_w = -1
+            self._thread = None
+
+    # -- the hub thread ----------------------------------------------------------------------
+
+    def _ensure_started(self) -> None:
+        if self._pid == os.getpid() and self._thread is not None:
+            return
+        with self._lock:
+            if self._pid == os.getpid() and self._thread is not None:
+                return
+            # NOTE: after a fork the parent's thread and connection do not exist here.
+            self._pid, self._conn = os.getpid(), None
+            self._channels, self._pending = {}, {}
+            self._wake_r, self._wake_w = os.pipe()
+            self._stopped.clear()
+            self._thread = threading.Thread(target=self._run, name="llmq-live-hub",
+                                            daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        attempt = 0
+        while not self._stopped.is_set():
+            try:
+                self._connect()
+                attempt = 0
+                self._serve()
+            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+                if self._stopped.is_set():
+                    break
+                delay = RECONNECT_BACKOFF_SECONDS[min(attempt, len(RECONNECT_BACKOFF_SECONDS) - 1)]
+                attempt += 1
+                logger.warning("live events: Redis connection lost (%s); reconnecting in "
+                               "%.2fs", exc, delay)
+                self._mark_gap()
+                self._stopped.wait(delay)
+        with self._lock:
+            self._disconnect_locked()
+
+    def _connect(self) -> None:
+        conn = self._connection_class(**self._connection_kwargs)
+        conn.connect()
+        with self._lock:
+            self._conn = conn
+            self._pending = {}
+            for channel in self._channels:  # every channel readers hold, again
+                self._send_locked("SUBSCRIBE", channel)
+
+    def _serve(self) -> None:
+        conn = self._conn
+        sock = conn._sock  # NOTE: redis-py keeps the socket private; select needs it
+        idle_since = time.monotonic()
+        while not self._stopped.is_set():
+            while conn.can_read(timeout=0):
+                self._dispatch(conn.read_response(push_request=True))
+                idle_since = time.monotonic()
+            readable, _, _ = select.select([sock, self._wake_r], [], [], PING_SECONDS)
+            if self._wake_r in readable:
+                os.read(self._wake_r, 4096)
+            if not readable and time.monotonic() - idle_since >= PING_SECONDS:
+                with self._lock:
+                    self._send_locked("PING")
+                idle_since = time.monotonic()
+
+    def _dispatch(self, message: list[Any]) -> None:
+        kind = message[0]
+        if kind == b"message":
+            listeners = self._channels.get(message[1])
+            if not listeners:
+                return  # unsubscribed a moment ago
+            for listener in tuple(listeners):
+                if listener.dropping:
+                    continue
+                if listener.queue.qsize() >= MAX_QUEUED:
+                    listener.dropping = True
+                    listener.queue.put(GAP)
+                    logger.warning("live events: a reader of %s is %d messages behind; it "
+                                   "catches up from the stream", message[1].decode(),
+                                   MAX_QUEUED)
+                    continue
+                listener.queue.put(message[2])
+        elif kind == b"subscribe":
+            with self._lock:
+                channel = message[1]
+                left = self._pending.get(channel, 0) - 1
+                if left > 0:
+                    self._pending[channel] = left
+                    return
+                self._pending.pop(channel, None)
+                for listener in self._channels.get(channel, ()):
+                    listener.subscribed.set()
+        # unsubscribe confirmations and pongs need nothing
+
+    def _mark_gap(self) -> None:
+        with self._lock:
+            self._disconnect_locked()
+            # every channel needs its SUBSCRIBE again before a reader may replay
+            self._pending = {channel: 1 for channel in self._channels}
+            for listeners in self._channels.values():
+                for listener in listeners:
+                    listener.subscribed.clear()
+                    listener.queue.put(GAP)
+
+    # -- helpers (caller holds _lock) ------------------------------------------------------
+
+    def _send_locked(self, *args: Any) -> None:
+        """Send a command on the hub connection; a broken connection is the hub's to fix."""
+        if args[0] == "SUBSCRIBE":
+            self._pending[args[1]] = self._pending.get(args[1], 0) + 1
+        if self._conn is None:
+            return  # subscribed again on reconnect
+        try:
+            self._conn.send_command(*args)
+        except (redis.ConnectionError, redis.TimeoutError, OSError):
+            logger.debug("live events: %s failed; the hub reconnects", args[0], exc_info=True)
+            self._wake()
+
+    def _disconnect_locked(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.disconnect()
+            except Exception:
+                logger.debug("live events: closing the hub connection failed", exc_info=True)
+            self._conn = None
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
