@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -92,6 +93,15 @@ class EventPublisher:
         """
         if not events:
             return []
+        keys, packed = self._encode(events)
+        entry_ids = self._script(keys=keys, args=[packed])
+        return [_text(entry_id) for entry_id in entry_ids]
+
+    def sender(self) -> PipelinedSender:
+        """A sender on its own connection, for a thread that must not wait for replies."""
+        return PipelinedSender(self)
+
+    def _encode(self, events: list[tuple[str, JobEvent]]) -> tuple[list[str], str]:
         keys: list[str] = []
         records: list[str] = []
         for job_id, event in events:
@@ -101,8 +111,68 @@ class EventPublisher:
             records.append(_UNIT_SEP.join(
                 (live_channel(self._settings, job_id), fields["type"], fields["data"], str(ttl))
             ))
-        entry_ids = self._script(keys=keys, args=[_RECORD_SEP.join(records)])
-        return [_text(entry_id) for entry_id in entry_ids]
+        return keys, _RECORD_SEP.join(records)
+
+
+class PipelinedSender:
+    """`send` publishes from the calling thread without waiting; `receive` (another
+    thread, in send order) reads each reply.
+
+    The batcher sends a step's events the moment the step ends, so they leave without
+    waiting for a publisher thread to get the GIL; the thread that reads the replies
+    then hands the step's results on. One connection, pipelined: replies come in order.
+    """
+
+    def __init__(self, publisher: EventPublisher) -> None:
+        pool = publisher._redis.connection_pool
+        # NOTE: no client-side health check: it would read a PING reply in the sending
+        # thread, out of turn with the replies the receiving thread reads.
+        self._connection_kwargs = {**pool.connection_kwargs, "health_check_interval": 0}
+        self._connection_class = pool.connection_class
+        self._publisher = publisher
+        self._lock = threading.Lock()
+        self._conn: Any = None
+
+    def send(self, events: list[tuple[str, JobEvent]]) -> Any:
+        """Send one EVAL for `events`; returns the handle `receive` takes. Raises on a
+        broken connection (the next send opens a new one)."""
+        keys, packed = self._publisher._encode(events)
+        with self._lock:
+            conn = self._conn
+            if conn is None:
+                conn = self._connection_class(**self._connection_kwargs)
+                self._conn = conn
+            try:
+                # NOTE: EVAL, not EVALSHA: no NOSCRIPT retry is possible once the reply is
+                # another thread's to read, and Redis caches the compiled script anyway.
+                conn.send_command("EVAL", _PUBLISH_LUA, len(keys), *keys, packed)
+            except BaseException:
+                self._drop(conn)
+                raise
+        return conn
+
+    def receive(self, handle: Any) -> list[str]:
+        """The entry ids of the send that returned `handle`; raises if it failed."""
+        try:
+            reply = handle.read_response()
+        except redis.ResponseError:
+            raise  # the script failed; the connection is fine
+        except BaseException:
+            with self._lock:
+                self._drop(handle)
+            raise
+        return [_text(entry_id) for entry_id in reply]
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                self._drop(self._conn)
+
+    def _drop(self, conn: Any) -> None:
+        """Caller holds _lock. Replies still owed on `conn` are lost: it is closed."""
+        if self._conn is conn:
+            self._conn = None
+        conn.disconnect()
 
 
 @dataclass(slots=True, frozen=True)

@@ -73,7 +73,7 @@ def group(service_settings, session_factory, redis_client, tiny_engine):
     sent: list[str] = []
     engine = FlakyEngine(tiny_engine)
     writer = DbWriter(settings, session_factory, publisher.publish, sent.append, group_id)
-    batcher = Batcher(engine, publisher.publish, writer, capacity=4, progress_interval=0.1)
+    batcher = Batcher(engine, publisher, writer, capacity=4, progress_interval=0.1)
     admission = JobAdmission(settings, session_factory, redis_client, batcher, writer, group_id,
                              sent.append)
     writer.start()
@@ -229,11 +229,13 @@ def test_a_failing_step_fails_its_jobs_and_the_batcher_goes_on(group, session_fa
 
 def test_leases_are_renewed_while_running(group, session_factory):
     job_id = insert_job(session_factory, params={"max_tokens": 200, "ignore_eos": True})
+    group.engine.running.clear()  # the job stays in the engine however fast the machine
     group.admission.run(job_id)
     first = read_job(session_factory, job_id).lease_expires_at
     later = wait_for(lambda: (lambda j: j if j.lease_expires_at > first else None)(
         read_job(session_factory, job_id)), 5, "a renewed lease")
     assert later.status == JobStatus.RUNNING.value
+    group.engine.running.set()
     group.batcher.cancel(job_id)
     wait_terminal(session_factory, job_id)
 
@@ -244,7 +246,7 @@ def test_drain_requeues_unfinished_jobs(service_settings, session_factory, redis
     publisher = EventPublisher(redis_client, settings)
     sent: list[str] = []
     writer = DbWriter(settings, session_factory, publisher.publish, sent.append, "drainer")
-    batcher = Batcher(tiny_engine, publisher.publish, writer, capacity=4)
+    batcher = Batcher(tiny_engine, publisher, writer, capacity=4)
     admission = JobAdmission(settings, session_factory, redis_client, batcher, writer,
                              "drainer", sent.append)
     writer.start()

@@ -7,6 +7,7 @@ import time
 import uuid
 
 import pytest
+import redis
 
 from tasks.protocol import EventType, JobEvent, events_key
 from tasks.streams import EventPublisher, EventSubscriber, current_output, parse_stream_id
@@ -107,3 +108,27 @@ def test_parse_stream_id_rejects_garbage():
     assert parse_stream_id(b"12-0") == (12, 0)
     with pytest.raises(ValueError, match="not a stream entry id"):
         parse_stream_id("abc")
+
+
+def test_pipelined_sender_sends_now_and_reads_replies_later(redis_client, service_settings,
+                                                            job_id):
+    sender = EventPublisher(redis_client, service_settings).sender()
+    handles = [sender.send([(job_id, e)]) for e in _tokens(3)]  # no reply read yet
+    ids = [sender.receive(h)[0] for h in handles]
+    assert [i for i, _ in EventSubscriber(redis_client, service_settings).read_events(job_id)] \
+        == ids
+
+    # a dead connection fails the replies it owed; the next send opens a new one
+    pending = sender.send([(job_id, _tokens(1, 3)[0])])
+    sender.receive(pending)
+    sock = pending._sock
+    addr = "%s:%d" % sock.getsockname()[:2]
+    (client,) = [c for c in redis_client.client_list() if c["addr"] == addr]
+    redis_client.client_kill_filter(_id=client["id"])
+    with pytest.raises((redis.ConnectionError, OSError)):  # on send or on its reply
+        sender.receive(sender.send([(job_id, _tokens(1, 4)[0])]))
+    after = sender.receive(sender.send([(job_id, _tokens(1, 5)[0])]))
+    stored = [e.token_ids for _, e in
+              EventSubscriber(redis_client, service_settings).read_events(job_id)]
+    assert stored[-1] == [5] and after
+    sender.close()

@@ -7,8 +7,8 @@ groups take them (back-pressure without a router). Every loop the batcher
   1. applies cancel requests (between steps, never inside one),
   2. adds the admitted jobs to the engine,
   3. runs `engine.step()`,
-  4. turns the deltas into `JobEvent`s and queues ALL of them for one publish call (one
-     Redis pipeline) on the step publisher thread, which overlaps the next step,
+  4. turns the deltas into `JobEvent`s and sends ALL of them in one Redis call, without
+     waiting for the reply (the step publisher thread reads it during the next step),
   5. hands first-token times, partial output and finished results to the writer thread
      (results only once their token events are out; the writer commits a terminal row
      before publishing the terminal event).
@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, is_dataclass
 from datetime import datetime
 from typing import Any
@@ -31,6 +30,7 @@ from tasks.db import utcnow
 from tasks.metrics import JobFigures, WorkerMetrics
 from tasks.params import SamplingParams
 from tasks.protocol import JobEvent
+from tasks.streams import EventPublisher
 from workers.db_writer import DbWriter
 from workers.job_rows import JobResult
 from workers.job_state import JobState
@@ -74,7 +74,7 @@ class Batcher:
     def __init__(
         self,
         engine: Any,
-        publish: Callable[[list[tuple[str, JobEvent]]], Any],
+        publisher: EventPublisher,
         writer: DbWriter,
         *,
         capacity: int,
@@ -105,7 +105,7 @@ class Batcher:
         self._finished: list[JobState] = []
         self._first_tokens: list[JobState] = []  # results to hand over after this step's events
         self.aborted: list[AdmittedJob] = []  # set when the loop ends: jobs given back
-        self._publisher = StepPublisher(publish, writer.finish)
+        self._publisher = StepPublisher(publisher.sender(), writer.finish)
         # figures of finished jobs; the heartbeat writes them to Redis (no I/O here)
         self.metrics = WorkerMetrics()
         self._thread = threading.Thread(target=self._run, name="llmq-batcher", daemon=True)
@@ -321,7 +321,7 @@ class Batcher:
         self._finished.append(state)
 
     def _emit(self, events: list[tuple[str, JobEvent]]) -> None:
-        """Queue this step's events (one publish call) and then its finished results."""
+        """Send this step's events (one publish call); its finished results follow them."""
         finished, self._finished = self._finished, []
         results = [state.result() for state in finished]
         self._publisher.submit(events, results)

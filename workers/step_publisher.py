@@ -1,14 +1,14 @@
-"""Publishes each step's events off the batcher thread, in step order.
+"""Publishes each step's events the moment the step ends, in step order.
 
-Packing a pipeline of a few dozen commands costs milliseconds of Python; done inline it
-would delay the next model step by that much. Here it overlaps the next step's forward
-pass (torch releases the GIL), so the engine keeps its speed and tokens still leave the
-moment their step ends.
+The batcher thread sends a step's events itself (one EVAL, pipelined on the sender's own
+connection, no wait for the reply): waiting for a publisher thread to get the GIL from a
+busy batcher made that hand-off most of the token delivery latency. A publisher thread
+reads the replies, in order, and only then hands the step's finished results on.
 
-NOTE (order): one thread, one FIFO. A step's finished results are handed to the writer
-only after that step's token events are published, and the writer publishes a terminal
-event only after committing its row: a job's stream is its tokens, then one terminal
-event, and a client that sees the terminal event reads a terminal row.
+NOTE (order): one connection, one FIFO. A step's finished results are handed to the
+writer only after that step's token events are stored, and the writer publishes a
+terminal event only after committing its row: a job's stream is its tokens, then one
+terminal event, and a client that sees the terminal event reads a terminal row.
 """
 
 from __future__ import annotations
@@ -21,24 +21,26 @@ from collections.abc import Callable
 from typing import Any
 
 from tasks.protocol import EventType, JobEvent
+from tasks.streams import PipelinedSender
 from workers.job_rows import JobResult
 
 logger = logging.getLogger(__name__)
 
-_Item = tuple[list[tuple[str, JobEvent]], list[JobResult]]
+# (send handle or None, number of events, results to hand on after the reply)
+_Item = tuple[Any, int, list[JobResult]]
 
 
 class StepPublisher:
-    """`submit(events, results)`: publish `events` in one call, then hand `results` on."""
+    """`submit(events, results)`: send `events` now, hand `results` on once stored."""
 
     def __init__(
         self,
-        publish: Callable[[list[tuple[str, JobEvent]]], Any],
+        sender: PipelinedSender,
         on_published: Callable[[JobResult], None],
         *,
         max_pending_steps: int = 64,
     ) -> None:
-        self.publish = publish
+        self.sender = sender
         self.on_published = on_published
         # bounded: if Redis stalls, the batcher stalls too instead of buffering forever
         self._queue: queue.Queue[_Item | None] = queue.Queue(maxsize=max_pending_steps)
@@ -50,43 +52,38 @@ class StepPublisher:
         self._thread.start()
 
     def submit(self, events: list[tuple[str, JobEvent]], results: list[JobResult]) -> None:
-        if events or results:
-            self._queue.put((events, results))
-
-    def stop(self, timeout: float = 30.0) -> None:
-        """Publish what is queued, then end the thread."""
-        self._queue.put(None)
-        self._thread.join(timeout)
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            events, results = item
-            # NOTE: merge the steps that queued up meanwhile: one pipeline for all of them.
-            while True:
-                try:
-                    more = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    self._publish(events, results)
-                    return
-                events = events + more[0]
-                results = results + more[1]
-            self._publish(events, results)
-
-    def _publish(self, events: list[tuple[str, JobEvent]], results: list[JobResult]) -> None:
+        """From the batcher thread, right after a step."""
+        handle = None
         if events:
             published_at = round(time.time(), 6)
             for _job_id, event in events:
                 if event.type is EventType.TOKEN:
                     event.ts = published_at
             try:
-                self.publish(events)
+                handle = self.sender.send(events)
             except Exception:  # live readers lose tokens; rows stay right
                 self.num_failed += 1
                 logger.exception("publishing %d events failed", len(events))
-        for result in results:
-            self.on_published(result)
+        if handle is not None or results:
+            self._queue.put((handle, len(events), results))
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Read the replies still owed and hand their results on, then end the thread."""
+        self._queue.put(None)
+        self._thread.join(timeout)
+        self.sender.close()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            handle, num_events, results = item
+            if handle is not None:
+                try:
+                    self.sender.receive(handle)
+                except Exception:  # live readers lose tokens; rows stay right
+                    self.num_failed += 1
+                    logger.exception("publishing %d events failed", num_events)
+            for result in results:
+                self.on_published(result)

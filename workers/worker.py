@@ -117,7 +117,7 @@ class GroupRuntime:
         publisher = EventPublisher(self.redis, s)
         self.writer = DbWriter(s, session_factory, publisher.publish, self.send_generate,
                                self.group_id)
-        self.batcher = Batcher(self.engine, publisher.publish, self.writer,
+        self.batcher = Batcher(self.engine, publisher, self.writer,
                                capacity=s.max_num_seqs)
         self.admission = JobAdmission(s, session_factory, self.redis, self.batcher,
                                       self.writer, self.group_id, self.send_generate)
