@@ -53,6 +53,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--preset", default="small", help="workers.make_model preset")
     p.add_argument("--num-jobs", type=int, default=64, help="concurrent jobs (= SSE streams)")
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="offline run then pipeline run, this many times; the ratio is "
+                        "taken per round (this machine's speed drifts between minutes)")
     p.add_argument("--prompt-words", type=int, default=16)
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads of the engine, offline and in the worker")
@@ -78,7 +81,7 @@ def prompts(n: int, words: int) -> list[str]:
             for i in range(n)]
 
 
-def run_offline(model_dir: str, args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
+def load_offline_engine(model_dir: str, args: argparse.Namespace, settings: Settings) -> Any:
     import torch
 
     from tasks.params import SamplingParams
@@ -89,18 +92,35 @@ def run_offline(model_dir: str, args: argparse.Namespace, settings: Settings) ->
                           max_num_batched_tokens=settings.max_num_batched_tokens)
     engine = Engine.from_checkpoint(model_dir, kv_cache_bytes=settings.kv_cache_bytes,
                                     config=config)
-    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0)
     engine.add_request("warmup", "warm up", SamplingParams(max_tokens=4, temperature=0.0))
     while engine.has_unfinished_requests():
         engine.step()
+    return engine
+
+
+def run_offline(engine: Any, args: argparse.Namespace, round_index: int) -> dict[str, Any]:
+    from tasks.params import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0)
     started, cpu_started = time.perf_counter(), time.process_time()
     for i, prompt in enumerate(prompts(args.num_jobs, args.prompt_words)):
-        engine.add_request(f"r{i}", prompt, params)
-    num_tokens = 0
+        engine.add_request(f"round{round_index}-r{i}", prompt, params)
+    steps: list[tuple[float, int, int]] = []  # (end time, tokens, samples finished)
     while engine.has_unfinished_requests():
-        num_tokens += sum(len(d.new_token_ids) for d in engine.step())
+        deltas = engine.step()
+        steps.append((time.perf_counter(), sum(len(d.new_token_ids) for d in deltas),
+                      sum(1 for d in deltas if d.finished)))
     elapsed = time.perf_counter() - started
+    num_tokens = sum(n for _, n, _ in steps)
+    # steady state: from the first step after every prompt is in to the last step before
+    # the first sample ends
+    first_full = next((i for i, (_, n, _) in enumerate(steps) if n == args.num_jobs), 0)
+    last_full = next((i for i, (_, _, f) in enumerate(steps) if f), len(steps)) - 1
+    steady = steps[first_full:last_full + 1]
+    steady_rate = (sum(n for _, n, _ in steady[1:]) / (steady[-1][0] - steady[0][0])
+                   if len(steady) > 2 else float("nan"))
     return {"tokens": num_tokens, "seconds": elapsed, "tokens_per_s": num_tokens / elapsed,
+            "steady_tokens_per_s": steady_rate,
             "cpu_seconds": round(time.process_time() - cpu_started, 2)}
 
 
@@ -210,6 +230,18 @@ def cpu_snapshot(services: Services) -> dict[str, float]:
             "postgres": named("postgres")}
 
 
+def warm_up(services: Services, args: argparse.Namespace) -> None:
+    """Every web process loads the model's tokenizer on its first request: warm them all
+    (connections land on whichever process accepts first), and the worker's engine too."""
+    warmup = SseReader(services.port)
+    for _ in range(8 * args.web_processes):
+        response = requests.post(services.base_url + "/v1/jobs", timeout=60, json={
+            "model": "bench", "prompt": "warm up", "max_tokens": 2, "temperature": 0.0})
+        warmup.open(response.json()["id"])
+    while warmup.num_done < 8 * args.web_processes:
+        warmup.poll(0.1)
+
+
 def run_pipeline(services: Services, args: argparse.Namespace) -> dict[str, Any]:
     """POST every job from a thread pool and read all SSE streams on ONE select loop.
 
@@ -221,15 +253,6 @@ def run_pipeline(services: Services, args: argparse.Namespace) -> dict[str, Any]
     base = services.base_url
     body = {"model": "bench", "max_tokens": args.max_tokens, "ignore_eos": True,
             "temperature": 0.0}
-    # NOTE: every web process loads the model's tokenizer on its first request: warm them
-    # all (connections land on whichever process accepts first), and the engine too.
-    warmup = SseReader(services.port)
-    for _ in range(8 * args.web_processes):
-        response = requests.post(base + "/v1/jobs", json={**body, "prompt": "warm up",
-                                                          "max_tokens": 2}, timeout=60)
-        warmup.open(response.json()["id"])
-    while warmup.num_done < 8 * args.web_processes:
-        warmup.poll(0.1)
     submitted: queue.Queue[str] = queue.Queue()
 
     def submit(prompt: str) -> None:
@@ -260,6 +283,8 @@ def run_pipeline(services: Services, args: argparse.Namespace) -> dict[str, Any]
     return {
         "tokens": reader.num_tokens, "seconds": elapsed,
         "tokens_per_s": reader.num_tokens / elapsed,
+        "steady_tokens_per_s": reader.steady_rate(),
+        "latencies": reader.latencies,
         "latency_ms_p50": 1000 * _percentile(latencies, 0.50),
         "latency_ms_p90": 1000 * _percentile(latencies, 0.90),
         "latency_ms_p99": 1000 * _percentile(latencies, 0.99),
@@ -276,6 +301,9 @@ class SseReader:
         self.port = port
         self.selector = selectors.DefaultSelector()
         self.latencies: list[float] = []
+        self.arrivals: list[tuple[float, int]] = []  # (receive time, tokens) per token event
+        self.first_token_at: dict[str, float] = {}
+        self.ended_at: dict[str, float] = {}
         self.num_tokens = 0
         self.num_done = 0
         self.errors: list[str] = []
@@ -311,24 +339,38 @@ class SseReader:
             for raw in events:
                 self._event(state, raw, received_at)
 
+    def steady_rate(self) -> float:
+        """Output tokens/s while every job was generating: from the last first token to
+        the first terminal event (ramp-up and tail left out)."""
+        if not self.first_token_at or not self.ended_at:
+            return float("nan")
+        start, end = max(self.first_token_at.values()), min(self.ended_at.values())
+        if end <= start:
+            return float("nan")
+        return sum(n for t, n in self.arrivals if start < t <= end) / (end - start)
+
     def _event(self, state: dict[str, Any], raw: bytes, received_at: float) -> None:
         fields = dict(line.split(b": ", 1) for line in raw.split(b"\n")
                       if b": " in line and not line.startswith(b":"))
         kind = fields.get(b"event", b"").decode()
         if kind == "token":
             data = json.loads(fields[b"data"])
-            self.num_tokens += len(data.get("token_ids", []))
+            num_tokens = len(data.get("token_ids", []))
+            self.num_tokens += num_tokens
+            self.arrivals.append((received_at, num_tokens))
+            self.first_token_at.setdefault(state["job_id"], received_at)
             ts = data.get("ts")
             if ts is not None and ts >= state["live_since"]:
                 self.latencies.append(received_at - ts)
         elif kind in ("done", "error", "cancelled"):
             state["ended"] = True
+            self.ended_at[state["job_id"]] = received_at
             if kind != "done":
                 self.errors.append(f"job {state['job_id']}: {kind} {fields.get(b'data')!r}")
 
 
-def job_timings(services: Services) -> dict[str, Any]:
-    """Where a job's time went, from its row: queue wait, admission to first token."""
+def job_timings(services: Services, last: int) -> dict[str, Any]:
+    """Where the `last` jobs' time went, from their rows: queue wait, first token."""
     from sqlalchemy import select
 
     from tasks.db import create_db_engine, make_sessionmaker
@@ -339,6 +381,7 @@ def job_timings(services: Services) -> dict[str, Any]:
         rows = session.execute(
             select(Job.created_at, Job.started_at, Job.first_token_at, Job.finished_at)
             .where(Job.model == "bench", Job.status == "succeeded")
+            .order_by(Job.created_at.desc()).limit(last)
         ).all()
     engine.dispose()
     waits = sorted((r.started_at - r.created_at).total_seconds() for r in rows)
@@ -386,40 +429,63 @@ def main(argv: list[str] | None = None) -> int:
 
     workdir = Path(tempfile.mkdtemp(prefix="llmq-bench-pipeline-"))
     model_dir = str(make_model(workdir / "model", "qwen3", args.preset))
-    settings = Settings()
-    offline = run_offline(model_dir, args, settings)
-    print(f"offline engine: {json.dumps(offline)}", flush=True)
+    engine = load_offline_engine(model_dir, args, Settings())
     services = Services(args, model_dir, workdir)
+    rounds: list[dict[str, Any]] = []
     try:
-        pipeline = run_pipeline(services, args)
-        pipeline.update(job_timings(services))
-        print(f"pipeline: {json.dumps(pipeline)}", flush=True)
+        warm_up(services, args)
+        for index in range(args.rounds):
+            offline = run_offline(engine, args, index)
+            print(f"round {index + 1} offline: {json.dumps(offline)}", flush=True)
+            pipeline = run_pipeline(services, args)
+            pipeline.update(job_timings(services, last=args.num_jobs))
+            latencies = pipeline.pop("latencies")
+            print(f"round {index + 1} pipeline: {json.dumps(pipeline)}", flush=True)
+            rounds.append({"offline": offline, "pipeline": pipeline, "latencies": latencies,
+                           "ratio": pipeline["tokens_per_s"] / offline["tokens_per_s"],
+                           "steady_ratio": pipeline["steady_tokens_per_s"]
+                           / offline["steady_tokens_per_s"]})
         submissions = run_submissions(services, args)
     finally:
         services.close()
-    ratio = pipeline["tokens_per_s"] / offline["tokens_per_s"]
+    latencies = sorted(x for r in rounds for x in r.pop("latencies"))
+    ratios = sorted(r["ratio"] for r in rounds)
+    steady = sorted(r["steady_ratio"] for r in rounds)
     load = os.getloadavg()[0]
-    figures = {"args": vars(args), "offline": offline, "pipeline": pipeline,
-               "submissions": submissions, "pipeline_vs_offline": ratio,
+    figures = {"args": vars(args), "rounds": rounds, "submissions": submissions,
+               "median_ratio": ratios[len(ratios) // 2],
+               "median_steady_ratio": steady[len(steady) // 2],
+               "latency_ms": {f"p{q}": 1000 * _percentile(latencies, q / 100)
+                              for q in (50, 90, 99)},
                "load_average_1m": load, "cpu_count": os.cpu_count()}
-    p, o, sub = pipeline, offline, submissions
+    per_round = " / ".join(f"{100 * r['ratio']:.0f}%" for r in rounds)
+    per_round_steady = " / ".join(f"{100 * r['steady_ratio']:.0f}%" for r in rounds)
+    offline_rates = " / ".join(f"{r['offline']['tokens_per_s']:.0f}" for r in rounds)
+    pipeline_rates = " / ".join(f"{r['pipeline']['tokens_per_s']:.0f}" for r in rounds)
+    lat = figures["latency_ms"]
+    p = rounds[-1]["pipeline"]
     cpu = ", ".join(f"{k} {v:.2f}" for k, v in p["cpu_seconds"].items())
     rows = [
         ("workload", f"{args.num_jobs} jobs x {args.max_tokens} tokens, `{args.preset}` qwen3, "
-                     f"{args.threads} torch thread(s)"),
-        ("offline engine", f"{o['tokens_per_s']:.0f} output tok/s"),
-        ("end to end (HTTP + Celery + Redis + Postgres + SSE)",
-         f"{p['tokens_per_s']:.0f} output tok/s ({100 * ratio:.1f}% of offline)"),
-        (f"token delivery latency, publish -> SSE client ({p['num_token_events']} events)",
-         f"p50 {p['latency_ms_p50']:.2f} ms, p90 {p['latency_ms_p90']:.2f} ms, "
-         f"p99 {p['latency_ms_p99']:.2f} ms"),
+                     f"{args.threads} torch thread(s), {args.rounds} rounds"),
+        ("offline engine, output tok/s (per round)", offline_rates),
+        ("end to end (HTTP + Celery + Redis + Postgres + SSE), output tok/s", pipeline_rates),
+        ("**end to end / offline** (per round; median)",
+         f"{per_round}; **{100 * figures['median_ratio']:.1f}%**"),
+        ("steady state (every job generating) / offline steady state",
+         f"{per_round_steady}; median {100 * figures['median_steady_ratio']:.1f}%"),
+        (f"token delivery latency, publish -> SSE client ({len(latencies)} events)",
+         f"p50 {lat['p50']:.2f} ms, p90 {lat['p90']:.2f} ms, p99 {lat['p99']:.2f} ms"),
+        ("queue wait p50 / max; first token p50 / max (last round)",
+         f"{p['queue_wait_ms_p50']:.0f} / {p['queue_wait_ms_max']:.0f} ms; "
+         f"{p['ttft_ms_p50']:.0f} / {p['ttft_ms_max']:.0f} ms"),
         (f"job submissions ({args.submit_threads} client threads)",
-         f"{sub['jobs_per_s']:.0f} jobs/s"),
-        ("CPU seconds (pipeline phase)", f"{cpu}; offline engine {o['cpu_seconds']:.2f}"),
+         f"{submissions['jobs_per_s']:.0f} jobs/s"),
+        ("CPU seconds, last round", f"{cpu}; offline engine "
+                                    f"{rounds[-1]['offline']['cpu_seconds']:.2f}"),
         ("machine", f"{os.cpu_count()} cores, 1-min load average {load:.1f} at the end"),
     ]
-    print("\n" + "\n".join(f"| {k} | {v} |" if i != 1 else f"| --- | --- |\n| {k} | {v} |"
-                            for i, (k, v) in enumerate(rows)) + "\n")
+    print("\n| | |\n| --- | --- |\n" + "\n".join(f"| {k} | {v} |" for k, v in rows) + "\n")
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
     return 0
