@@ -11,6 +11,10 @@ SUBSCRIBE is confirmed (`subscribed`), replay the stream, then take live message
 `queue`. `GAP` in the queue means messages may have been missed (the hub lost its
 connection, or the reader fell `MAX_QUEUED` behind): wait for `subscribed` again and
 re-read the stream. Nothing is lost; duplicates are left to the reader's id check.
+
+Direct delivery: a reader may hand the hub a `Sink` (the SSE client's socket) and sleep;
+the hub then writes each live event there itself and wakes the reader only when the
+stream ended (`SINK_ENDED`) or a write fell short (`SINK_FELL_SHORT...`).
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import queue
 import select
 import threading
 import time
-from typing import Any
+from enum import Enum
+from typing import Any, Protocol
 
 import redis
 from redis import Redis
@@ -34,20 +39,66 @@ PING_SECONDS = 10.0  # an idle hub connection is pinged this often (dead peers, 
 RECONNECT_BACKOFF_SECONDS = (0.05, 0.2, 0.5, 1.0, 2.0)
 
 
+class Delivery(Enum):
+    DONE = "done"  # written whole
+    PARTIAL = "partial"  # partly written (the sink holds the rest), or the client is gone
+    REFUSED = "refused"  # nothing written: the reader must handle this event itself
+
+
+class Sink(Protocol):
+    """Where the hub may write a reader's live events itself (see webapp/sse_sink.py)."""
+
+    def deliver(self, entry_id: bytes, event_type: bytes, data: bytes) -> Delivery:
+        """Write one event without blocking (from the hub thread)."""
+        ...
+
+    def flush(self) -> bool:
+        """Write what a PARTIAL delivery left, blocking (from the reader's thread); False
+        when the client is gone."""
+        ...
+
+
+SINK_ENDED = object()  # queued after the hub delivered the terminal event to the sink
+SINK_FELL_SHORT = object()  # a delivery was PARTIAL: the reader flushes and takes over
+SINK_FELL_SHORT_AT_END = object()  # ... and that event was the terminal one
+_TERMINAL_TYPES = (b"done", b"error", b"cancelled")
+
+
 class Listener:
     """One reader's view of one channel."""
 
-    __slots__ = ("channel", "dropping", "queue", "subscribed")
+    __slots__ = ("channel", "dropping", "last", "lock", "queue", "sink", "subscribed")
 
     def __init__(self, channel: bytes) -> None:
         self.channel = channel
         self.queue: queue.SimpleQueue[Any] = queue.SimpleQueue()  # bytes payloads or GAP
         self.subscribed = threading.Event()  # set while the hub's SUBSCRIBE is confirmed
         self.dropping = False  # GAP queued; messages dropped until the reader takes it
+        # direct delivery: while `sink` is set the hub writes the reader's events there
+        # itself, skipping ids up to `last`. Switched under `lock`, which the hub holds
+        # while it delivers.
+        self.lock = threading.Lock()
+        self.sink: Sink | None = None
+        self.last: tuple[int, int] = (0, 0)
 
     def take_gap(self) -> None:
         """The reader took GAP: queue messages again (it re-reads the stream next)."""
         self.dropping = False
+
+    def start_direct(self, sink: Sink, last: tuple[int, int]) -> bool:
+        """Let the hub deliver to `sink` from now on; False (nothing changes) while
+        messages wait in the queue: the reader handles those first."""
+        with self.lock:
+            if not self.queue.empty():
+                return False
+            self.sink, self.last = sink, last
+            return True
+
+    def stop_direct(self) -> tuple[int, int]:
+        """Take delivery back; returns the id of the last event the hub delivered."""
+        with self.lock:
+            self.sink = None
+            return self.last
 
 
 class LiveHub:
@@ -175,6 +226,8 @@ class LiveHub:
             if not listeners:
                 return  # unsubscribed a moment ago
             for listener in tuple(listeners):
+                if listener.sink is not None and self._deliver(listener, message[2]):
+                    continue
                 if listener.dropping:
                     continue
                 if listener.queue.qsize() >= MAX_QUEUED:
@@ -197,6 +250,32 @@ class LiveHub:
                     listener.subscribed.set()
         # unsubscribe confirmations and pongs need nothing
 
+    @staticmethod
+    def _deliver(listener: Listener, payload: bytes) -> bool:
+        """Write `payload` to the listener's sink; False if the reader must handle it."""
+        with listener.lock:
+            sink = listener.sink
+            if sink is None:
+                return False  # the reader took delivery back a moment ago
+            entry_id, event_type, data = payload.split(b" ", 2)
+            ms, _, seq = entry_id.partition(b"-")
+            key = (int(ms), int(seq or 0))
+            if key <= listener.last:
+                return True  # the reader's replay had it
+            delivery = sink.deliver(entry_id, event_type, data)
+            if delivery is Delivery.REFUSED:
+                listener.sink = None
+                return False
+            listener.last = key
+            terminal = event_type in _TERMINAL_TYPES
+            if delivery is Delivery.PARTIAL:
+                listener.sink = None
+                listener.queue.put(SINK_FELL_SHORT_AT_END if terminal else SINK_FELL_SHORT)
+            elif terminal:
+                listener.sink = None
+                listener.queue.put(SINK_ENDED)
+            return True
+
     def _mark_gap(self) -> None:
         with self._lock:
             self._disconnect_locked()
@@ -205,6 +284,9 @@ class LiveHub:
             for listeners in self._channels.values():
                 for listener in listeners:
                     listener.subscribed.clear()
+                    # NOTE: no direct delivery until the reader has caught up: an event
+                    # delivered now would jump ahead of the ones the gap lost
+                    listener.stop_direct()
                     listener.queue.put(GAP)
 
     # -- helpers (caller holds _lock) ------------------------------------------------------

@@ -20,13 +20,21 @@ from typing import Any
 import redis
 from redis import Redis
 
-from tasks.live_hub import GAP, LiveHub
+from tasks.live_hub import (
+    GAP,
+    SINK_ENDED,
+    SINK_FELL_SHORT,
+    SINK_FELL_SHORT_AT_END,
+    LiveHub,
+    Sink,
+)
 from tasks.protocol import EventType, JobEvent, events_key, live_channel
 from tasks.settings import Settings
 
 logger = logging.getLogger(__name__)
 
 StreamId = tuple[int, int]  # (milliseconds, sequence) of a stream entry id
+_START: StreamId = (0, 0)  # before every entry
 
 # For each event: XADD it, PUBLISH "<entry id> <type> <json data>" on the live channel,
 # and on a terminal event start the stream's expiry. One script call for ALL the events
@@ -228,16 +236,18 @@ class EventSubscriber:
         job_id: str,
         last_id: str | None = None,
         heartbeat_seconds: float | None = None,
+        sink: Sink | None = None,
     ) -> Iterator[StreamEntry | None]:
         """Yield the entries after `last_id` until (and including) a terminal one.
 
         Yields `None` as a heartbeat tick whenever nothing arrived for `heartbeat_seconds`
         (the SSE view turns it into a comment that keeps proxies from closing the stream).
-        Close the generator to stop listening early.
+        With a `sink`, live events after the replay are written to it by the hub instead
+        of being yielded, whenever nothing else is pending (see tasks/live_hub.py); the
+        generator then ends when the sink got the terminal event. Close the generator to
+        stop listening early.
         """
-        last = parse_stream_id(last_id) if last_id else (0, 0)
-        if last_id:
-            last_id = _text(last_id)
+        last = parse_stream_id(last_id) if last_id else _START
         idle_limit = heartbeat_seconds if heartbeat_seconds else _IDLE_CATCH_UP_SECONDS
         listener = self._hub.listen(live_channel(self._settings, job_id))
         try:
@@ -250,35 +260,51 @@ class EventSubscriber:
                         f"{_SUBSCRIBE_TIMEOUT_SECONDS:.0f}s")
                 # replay (first pass) or catch up (after idling or a gap): the stream is
                 # the truth
-                for entry in self.read_entries(job_id, last_id):
-                    last, last_id = parse_stream_id(entry.entry_id), entry.entry_id
+                for entry in self.read_entries(job_id, _format_id(last)):
+                    last = parse_stream_id(entry.entry_id)
                     yield entry
                     if entry.type.is_terminal:
                         return
-                idle_since = time.monotonic()
+                idle_since, delivered = time.monotonic(), last
                 while True:
+                    if sink is not None and listener.sink is None:
+                        listener.start_direct(sink, last)
                     remaining = idle_limit - (time.monotonic() - idle_since)
                     if remaining <= 0:
+                        if listener.last > delivered:  # the hub delivered meanwhile
+                            idle_since, delivered = time.monotonic(), listener.last
+                            continue
+                        last = max(last, listener.stop_direct())
                         if heartbeat_seconds:
                             yield None
                         break
                     try:
-                        payload = listener.queue.get(timeout=remaining)
+                        item = listener.queue.get(timeout=remaining)
                     except queue.Empty:
                         continue
-                    if payload is GAP:
+                    if item is SINK_ENDED:
+                        return
+                    if item is SINK_FELL_SHORT or item is SINK_FELL_SHORT_AT_END:
+                        last = max(last, listener.stop_direct())
+                        assert sink is not None  # only a sink falls short
+                        if not sink.flush() or item is SINK_FELL_SHORT_AT_END:
+                            return  # the client is gone, or it has the terminal event
+                        idle_since = time.monotonic()
+                        continue
+                    if item is GAP:
+                        last = max(last, listener.stop_direct())
                         listener.take_gap()
                         break
-                    entry = _parse_live(payload)
+                    entry = _parse_live(item)
                     entry_key = parse_stream_id(entry.entry_id)
                     if entry_key <= last:
                         continue  # already yielded by the replay
-                    last, last_id = entry_key, entry.entry_id
-                    idle_since = time.monotonic()
+                    last, idle_since = entry_key, time.monotonic()
                     yield entry
                     if entry.type.is_terminal:
                         return
         finally:
+            listener.stop_direct()  # no write may follow the end of the response
             self._hub.leave(listener)
 
 
@@ -296,6 +322,10 @@ def current_output(events: list[tuple[str, JobEvent]]) -> dict[int, str]:
 def _stored_entry(entry_id: str | bytes, fields: dict[Any, Any]) -> StreamEntry:
     decoded = {_text(k): _text(v) for k, v in fields.items()}
     return StreamEntry(_text(entry_id), EventType(decoded["type"]), decoded.get("data") or "{}")
+
+
+def _format_id(entry: StreamId) -> str | None:
+    return None if entry == _START else f"{entry[0]}-{entry[1]}"
 
 
 def _parse_live(data: bytes | str) -> StreamEntry:

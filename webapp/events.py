@@ -24,6 +24,7 @@ from webapp.errors import APIError
 from webapp.jobs import load_job
 from webapp.serialize import is_terminal
 from webapp.services import services
+from webapp.sse_sink import SocketSink
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +50,9 @@ def job_events(job_id: str) -> Response:
                            "event id of this stream (expected <ms>-<seq>)",
                            "Last-Event-ID") from None
     svc.redis.ping()  # Redis down -> 503 now, not a broken stream later
+    sink = SocketSink.for_request(request.environ)
     stream = _sse(job_id, job, last_id or None, svc.subscriber, svc.session_factory,
-                  svc.settings.sse_heartbeat_seconds)
+                  svc.settings.sse_heartbeat_seconds, sink)
     response = Response(stream_with_context(stream), mimetype="text/event-stream")
     response.headers["Cache-Control"] = "no-cache"
     response.headers["X-Accel-Buffering"] = "no"  # nginx: do not buffer the stream
@@ -58,7 +60,8 @@ def job_events(job_id: str) -> Response:
 
 
 def _sse(job_id: str, job: Job, last_id: str | None, subscriber: EventSubscriber,
-         session_factory: Any, heartbeat_seconds: float) -> Iterator[str]:
+         session_factory: Any, heartbeat_seconds: float,
+         sink: SocketSink | None) -> Iterator[str]:
     yield f"retry: {RETRY_MILLISECONDS}\n\n"
     if is_terminal(job):
         # Finished: the stored log is complete (or gone); no need to listen.
@@ -70,7 +73,10 @@ def _sse(job_id: str, job: Job, last_id: str | None, subscriber: EventSubscriber
             yield format_event(None, terminal_event_from_row(job))
         return
     terminal_seen_at: float | None = None
-    for item in subscriber.iter_entries(job_id, last_id, heartbeat_seconds=heartbeat_seconds):
+    # NOTE: with a sink, the hub thread writes live events to the client itself while
+    # this generator sleeps; everything before and after goes through the server.
+    for item in subscriber.iter_entries(job_id, last_id, heartbeat_seconds=heartbeat_seconds,
+                                        sink=sink):
         if item is not None:
             yield format_entry(item)
             continue

@@ -1,0 +1,140 @@
+"""Event streams served by gunicorn's threaded workers, where the live-event hub writes
+token events straight to the client sockets: HTTP/1.1 (chunked) and HTTP/1.0, replay,
+reconnect, a client that leaves early. Real gunicorn, worker process, Postgres, Redis."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+import requests
+
+from tests.fixtures_services import free_port
+from tests.pipeline_helpers import (
+    REPO,
+    WorkerProcess,
+    iter_sse,
+    read_job,
+    submit,
+    wait_terminal,
+    worker_env,
+)
+
+pytestmark = pytest.mark.integration
+
+LONG = {"max_tokens": 300, "ignore_eos": True, "temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
+def gunicorn_url(service_settings, tmp_path_factory):
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("gunicorn") / "web.log", "wb")
+    env = worker_env(service_settings, LLMQ_SSE_HEARTBEAT_SECONDS="1")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gunicorn", "-k", "gthread", "-w", "1", "--threads", "16",
+         "-b", f"127.0.0.1:{port}", "webapp.wsgi:app"],
+        cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert process.poll() is None, "gunicorn exited; see its log"
+            try:
+                if requests.get(url + "/health", timeout=2).ok:
+                    break
+            except requests.RequestException:
+                pass
+            assert time.monotonic() < deadline, "gunicorn did not come up"
+            time.sleep(0.2)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(30)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def group(service_settings, redis_client, tmp_path_factory):
+    worker = WorkerProcess(service_settings, f"sse-{uuid.uuid4().hex[:4]}",
+                           tmp_path_factory.mktemp("workers"))
+    try:
+        worker.wait_ready(redis_client)
+        yield worker
+    finally:
+        worker.terminate()
+
+
+def _http10_events(url: str, job_id: str) -> list[tuple[str | None, str, dict]]:
+    """Read a stream over HTTP/1.0 (no chunking: the server closes at the end)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(f"GET /v1/jobs/{job_id}/events HTTP/1.0\r\nHost: t\r\n\r\n".encode())
+        data = b""
+        while chunk := sock.recv(1 << 16):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 200") or head.startswith(b"HTTP/1.1 200"), head
+    assert b"chunked" not in head.lower()
+    events = []
+    for block in body.decode().split("\n\n"):
+        fields = dict(line.split(": ", 1) for line in block.split("\n")
+                      if ": " in line and not line.startswith(":"))
+        if "event" in fields:
+            events.append((fields.get("id"), fields["event"], json.loads(fields["data"])))
+    return events
+
+
+def _check_stream(events_text: str, token_ids: list[int], job_id: str, session_factory):
+    row = read_job(session_factory, job_id)
+    assert row.status == "succeeded"
+    assert events_text == row.output_text and token_ids == row.output[0]["token_ids"]
+
+
+def test_http11_stream_equals_stored_output(gunicorn_url, group, session_factory):
+    job = submit(gunicorn_url, prompt="the quick brown fox", **LONG)
+    events = list(iter_sse(gunicorn_url, job["id"]))
+    assert [e.event for e in events].count("done") == 1 and events[-1].event == "done"
+    ids = [e.id for e in events]
+    assert len(set(ids)) == len(ids) and ids == sorted(ids, key=lambda i: tuple(
+        int(p) for p in i.split("-")))
+    tokens = [e for e in events if e.event == "token"]
+    _check_stream("".join(e.data["text"] for e in tokens),
+                  [t for e in tokens for t in e.data["token_ids"]], job["id"],
+                  session_factory)
+    assert len(tokens) == 300
+
+
+def test_http10_stream_equals_stored_output(gunicorn_url, group, session_factory):
+    job = submit(gunicorn_url, prompt="hello there", **LONG)
+    events = _http10_events(gunicorn_url, job["id"])
+    assert events[-1][1] == "done"
+    tokens = [data for _, kind, data in events if kind == "token"]
+    _check_stream("".join(d["text"] for d in tokens),
+                  [t for d in tokens for t in d["token_ids"]], job["id"], session_factory)
+
+
+def test_reconnect_mid_stream_and_a_client_that_leaves(gunicorn_url, group, session_factory):
+    job = submit(gunicorn_url, prompt="reconnect me", **LONG)
+    seen = []
+    for event in iter_sse(gunicorn_url, job["id"]):
+        seen.append(event)
+        if len(seen) == 20:
+            break  # the client leaves while the hub is writing to it
+    rest = list(iter_sse(gunicorn_url, job["id"], last_event_id=seen[-1].id))
+    assert rest[-1].event == "done"
+    everything = seen + rest
+    ids = [e.id for e in everything]
+    assert len(set(ids)) == len(ids)
+    tokens = [e for e in everything if e.event == "token"]
+    _check_stream("".join(e.data["text"] for e in tokens),
+                  [t for e in tokens for t in e.data["token_ids"]], job["id"],
+                  session_factory)
+    # the server is fine after the early leave: another stream works end to end
+    other = submit(gunicorn_url, prompt="after", max_tokens=8, temperature=0.0)
+    assert list(iter_sse(gunicorn_url, other["id"]))[-1].event == "done"
+    wait_terminal(session_factory, job["id"])
