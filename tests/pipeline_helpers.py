@@ -10,6 +10,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -144,6 +145,18 @@ class WorkerProcess:
                 self.process.wait(10)
         self._log.close()
         return self.process.returncode
+
+
+@contextmanager
+def running_worker(settings: Settings, redis: Any, log_dir: Path, name: str,
+                   **kwargs: Any) -> Iterator[WorkerProcess]:
+    """A worker process named `name-<random>`, ready (heartbeating) until the block ends."""
+    worker = WorkerProcess(settings, f"{name}-{uuid.uuid4().hex[:4]}", log_dir, **kwargs)
+    try:
+        worker.wait_ready(redis)
+        yield worker
+    finally:
+        worker.terminate()
 
 
 # --- HTTP / SSE -------------------------------------------------------------------------

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import uuid
-
 import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from tasks.models import JobStatus
-from tests.pipeline_helpers import WorkerProcess, submit, wait_for, wait_terminal
+from tests.pipeline_helpers import running_worker, submit, wait_for, wait_terminal
 
 pytestmark = pytest.mark.integration
 
@@ -23,13 +21,9 @@ def settings(service_settings):
 
 @pytest.fixture(scope="module")
 def worker(settings, redis_client, tmp_path_factory):
-    process = WorkerProcess(settings, f"metrics-{uuid.uuid4().hex[:4]}",
-                            tmp_path_factory.mktemp("workers"))
-    try:
-        process.wait_ready(redis_client)
+    with running_worker(settings, redis_client, tmp_path_factory.mktemp("workers"),
+                        "metrics") as process:
         yield process
-    finally:
-        process.terminate()
 
 
 def _scrape(base_url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -9,7 +9,6 @@ import socket
 import subprocess
 import sys
 import time
-import uuid
 
 import pytest
 import requests
@@ -17,9 +16,9 @@ import requests
 from tests.fixtures_services import free_port
 from tests.pipeline_helpers import (
     REPO,
-    WorkerProcess,
     iter_sse,
     read_job,
+    running_worker,
     submit,
     wait_terminal,
     worker_env,
@@ -60,13 +59,9 @@ def gunicorn_url(service_settings, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def group(service_settings, redis_client, tmp_path_factory):
-    worker = WorkerProcess(service_settings, f"sse-{uuid.uuid4().hex[:4]}",
-                           tmp_path_factory.mktemp("workers"))
-    try:
-        worker.wait_ready(redis_client)
+    with running_worker(service_settings, redis_client, tmp_path_factory.mktemp("workers"),
+                        "sse") as worker:
         yield worker
-    finally:
-        worker.terminate()
 
 
 def _http10_events(url: str, job_id: str) -> list[tuple[str | None, str, dict]]:
@@ -78,7 +73,7 @@ def _http10_events(url: str, job_id: str) -> list[tuple[str | None, str, dict]]:
         while chunk := sock.recv(1 << 16):
             data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.0 200") or head.startswith(b"HTTP/1.1 200"), head
+    assert head.startswith((b"HTTP/1.0 200", b"HTTP/1.1 200")), head
     assert b"chunked" not in head.lower()
     events = []
     for block in body.decode().split("\n\n"):
