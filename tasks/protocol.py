@@ -53,14 +53,20 @@ class JobEvent:
         # NOTE: this JSON is also the SSE `data:` line, passed through as stored: a token
         # event keeps its (possibly empty) text and its index; other events leave out
         # empty defaults, which would only confuse clients.
-        payload = {name: getattr(self, name) for name in _PAYLOAD_FIELDS}
         if self.type is EventType.TOKEN:
-            payload = {k: v for k, v in payload.items() if v is not None}
+            # NOTE: the hot path (every token of every job): fields named, not looped
+            payload: dict[str, Any] = {"index": self.index, "text": self.text,
+                                       "token_ids": self.token_ids}
+            for name in _RARE_TOKEN_FIELDS:
+                value = getattr(self, name)
+                if value is not None:
+                    payload[name] = value
         else:
+            payload = {name: getattr(self, name) for name in _PAYLOAD_FIELDS}
             payload = {k: v for k, v in payload.items() if v not in (None, "", [])}
             if payload.get("index") == 0:
                 del payload["index"]
-        return {"type": self.type.value, "data": json.dumps(payload, separators=(",", ":"))}
+        return {"type": self.type.value, "data": _JSON.encode(payload)}
 
     @classmethod
     def from_fields(cls, fields: dict[str, str] | dict[bytes, bytes]) -> JobEvent:
@@ -73,6 +79,9 @@ class JobEvent:
 
 
 _PAYLOAD_FIELDS = tuple(f.name for f in fields(JobEvent) if f.name != "type")
+_RARE_TOKEN_FIELDS = tuple(name for name in _PAYLOAD_FIELDS
+                           if name not in ("index", "text", "token_ids"))
+_JSON = json.JSONEncoder(separators=(",", ":"))  # one encoder: dumps() builds one per call
 
 
 def events_key(settings: Settings, job_id: str) -> str:
