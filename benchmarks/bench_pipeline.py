@@ -386,7 +386,14 @@ def job_timings(services: Services, last: int) -> dict[str, Any]:
     engine.dispose()
     waits = sorted((r.started_at - r.created_at).total_seconds() for r in rows)
     ttft = sorted((r.first_token_at - r.created_at).total_seconds() for r in rows)
-    return {"queue_wait_ms_p50": 1000 * _percentile(waits, 0.5),
+    first = min(r.created_at for r in rows)
+
+    def span(column: str) -> float:  # ms from the first job's creation to the last `column`
+        return 1000 * (max(getattr(r, column) for r in rows) - first).total_seconds()
+
+    return {"created_span_ms": span("created_at"), "claimed_span_ms": span("started_at"),
+            "first_token_span_ms": span("first_token_at"),
+            "queue_wait_ms_p50": 1000 * _percentile(waits, 0.5),
             "queue_wait_ms_max": 1000 * waits[-1],
             "ttft_ms_p50": 1000 * _percentile(ttft, 0.5), "ttft_ms_max": 1000 * ttft[-1]}
 
