@@ -25,7 +25,7 @@ from tasks.protocol import (
     group_alive_key,
     groups_key,
 )
-from tasks.streams import EventPublisher
+from tasks.stream_publish import EventPublisher
 
 
 @pytest.fixture

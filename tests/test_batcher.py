@@ -14,7 +14,7 @@ import pytest
 from tasks.models import JobStatus
 from tasks.params import SamplingParams
 from tasks.protocol import EventType, JobEvent, cancel_flag_key
-from tasks.streams import EventPublisher
+from tasks.stream_publish import EventPublisher
 from tests.pipeline_helpers import insert_job, read_job, read_stream, wait_for, wait_terminal
 from workers.batcher import AdmittedJob, Batcher
 from workers.db_writer import DbWriter

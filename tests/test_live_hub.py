@@ -11,7 +11,8 @@ import pytest
 
 from tasks import live_hub
 from tasks.protocol import EventType, JobEvent
-from tasks.streams import EventPublisher, EventSubscriber, StreamEntry
+from tasks.stream_publish import EventPublisher
+from tasks.streams import EventSubscriber, StreamEntry
 
 
 def _token(i: int) -> JobEvent:

@@ -20,7 +20,8 @@ from tasks.protocol import (
     JobEvent,
     events_key,
 )
-from tasks.streams import EventPublisher, EventSubscriber
+from tasks.stream_publish import EventPublisher
+from tasks.streams import EventSubscriber
 
 
 @pytest.fixture

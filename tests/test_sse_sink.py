@@ -12,7 +12,8 @@ import pytest
 
 from tasks.live_hub import Delivery
 from tasks.protocol import EventType, JobEvent
-from tasks.streams import EventPublisher, EventSubscriber
+from tasks.stream_publish import EventPublisher
+from tasks.streams import EventSubscriber
 from webapp.events import format_entry
 from webapp.sse_sink import SocketSink
 

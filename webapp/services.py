@@ -19,7 +19,8 @@ from tasks.db import create_db_engine, make_sessionmaker
 from tasks.model_registry import ModelRegistry
 from tasks.redis_client import make_redis
 from tasks.settings import Settings
-from tasks.streams import EventPublisher, EventSubscriber
+from tasks.stream_publish import EventPublisher
+from tasks.streams import EventSubscriber
 
 EXTENSION_KEY = "llmq"
 

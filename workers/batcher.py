@@ -30,7 +30,7 @@ from tasks.db import utcnow
 from tasks.metrics import JobFigures, WorkerMetrics
 from tasks.params import SamplingParams
 from tasks.protocol import JobEvent
-from tasks.streams import EventPublisher
+from tasks.stream_publish import EventPublisher
 from workers.db_writer import DbWriter
 from workers.job_rows import JobResult
 from workers.job_state import JobState

@@ -81,7 +81,7 @@ class GroupRuntime:
         # NOTE: heavy imports here, not at module import: `--help` stays instant.
         from tasks.db import create_db_engine, make_sessionmaker
         from tasks.redis_client import make_redis
-        from tasks.streams import EventPublisher
+        from tasks.stream_publish import EventPublisher
         from workers.batcher import Batcher
         from workers.cancel_listener import CancelListener
         from workers.db_writer import DbWriter
