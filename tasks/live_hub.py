@@ -226,18 +226,7 @@ class LiveHub:
             if not listeners:
                 return  # unsubscribed a moment ago
             for listener in tuple(listeners):
-                if listener.sink is not None and self._deliver(listener, message[2]):
-                    continue
-                if listener.dropping:
-                    continue
-                if listener.queue.qsize() >= MAX_QUEUED:
-                    listener.dropping = True
-                    listener.queue.put(GAP)
-                    logger.warning("live events: a reader of %s is %d messages behind; it "
-                                   "catches up from the stream", message[1].decode(),
-                                   MAX_QUEUED)
-                    continue
-                listener.queue.put(message[2])
+                self._offer(listener, message[2])
         elif kind == b"subscribe":
             with self._lock:
                 channel = message[1]
@@ -251,30 +240,44 @@ class LiveHub:
         # unsubscribe confirmations and pongs need nothing
 
     @staticmethod
-    def _deliver(listener: Listener, payload: bytes) -> bool:
-        """Write `payload` to the listener's sink; False if the reader must handle it."""
+    def _offer(listener: Listener, payload: bytes) -> None:
+        """Deliver `payload` to the listener's sink, or queue it for the reader.
+
+        NOTE: under the listener's lock, like `start_direct`: a message is queued only
+        while no sink is attached, and a sink is attached only to an empty queue, so the
+        hub and the reader never write to the client at the same time.
+        """
         with listener.lock:
             sink = listener.sink
-            if sink is None:
-                return False  # the reader took delivery back a moment ago
-            entry_id, event_type, data = payload.split(b" ", 2)
-            ms, _, seq = entry_id.partition(b"-")
-            key = (int(ms), int(seq or 0))
-            if key <= listener.last:
-                return True  # the reader's replay had it
-            delivery = sink.deliver(entry_id, event_type, data)
-            if delivery is Delivery.REFUSED:
-                listener.sink = None
-                return False
-            listener.last = key
-            terminal = event_type in _TERMINAL_TYPES
-            if delivery is Delivery.PARTIAL:
-                listener.sink = None
-                listener.queue.put(SINK_FELL_SHORT_AT_END if terminal else SINK_FELL_SHORT)
-            elif terminal:
-                listener.sink = None
-                listener.queue.put(SINK_ENDED)
-            return True
+            if sink is not None:
+                entry_id, event_type, data = payload.split(b" ", 2)
+                ms, _, seq = entry_id.partition(b"-")
+                key = (int(ms), int(seq or 0))
+                if key <= listener.last:
+                    return  # the reader's replay had it
+                delivery = sink.deliver(entry_id, event_type, data)
+                if delivery is not Delivery.REFUSED:
+                    listener.last = key
+                    terminal = event_type in _TERMINAL_TYPES
+                    if delivery is Delivery.PARTIAL:
+                        listener.sink = None
+                        listener.queue.put(SINK_FELL_SHORT_AT_END if terminal
+                                           else SINK_FELL_SHORT)
+                    elif terminal:
+                        listener.sink = None
+                        listener.queue.put(SINK_ENDED)
+                    return
+                listener.sink = None  # refused: the reader writes this one itself
+            if listener.dropping:
+                return
+            if listener.queue.qsize() >= MAX_QUEUED:
+                listener.dropping = True
+                listener.queue.put(GAP)
+                logger.warning("live events: a reader of %s is %d messages behind; it "
+                               "catches up from the stream", listener.channel.decode(),
+                               MAX_QUEUED)
+                return
+            listener.queue.put(payload)
 
     def _mark_gap(self) -> None:
         with self._lock:
