@@ -61,6 +61,8 @@ class JobAdmission:
     ) -> None:
         self.settings = settings
         self.session_factory = session_factory
+        self._claim_bind = session_factory.kw["bind"].execution_options(
+            isolation_level="AUTOCOMMIT")
         self.redis = redis
         self.batcher = batcher
         self.writer = writer
@@ -150,8 +152,11 @@ class JobAdmission:
             .returning(Job.prompt, Job.prompt_token_ids, Job.params, Job.priority,
                        Job.attempts, Job.created_at)
         )
-        with self.session_factory.begin() as session:
-            return session.execute(statement).first()
+        # NOTE: one statement, so no transaction around it (one round trip, atomic by
+        # itself), and Core rather than an ORM session: a claim competes for the GIL with
+        # the batcher thread, and every round trip and ORM layer is another wait for it.
+        with self._claim_bind.connect() as conn:
+            return conn.execute(statement).first()
 
     def _cancel_requested(self, job_id: str) -> bool:
         try:
