@@ -12,7 +12,7 @@ from sqlalchemy import func, select
 
 from tasks.models import Job, JobStatus
 from tasks.params import SamplingParams
-from tests.pipeline_helpers import WorkerProcess, wait_terminal
+from tests.pipeline_helpers import running_worker, wait_terminal
 
 pytestmark = pytest.mark.integration
 
@@ -23,15 +23,10 @@ MESSAGES = [{"role": "system", "content": "be brief"},
 
 @pytest.fixture(scope="module")
 def worker(service_settings, redis_client, tmp_path_factory):
-    process = WorkerProcess(service_settings, f"oai-{uuid.uuid4().hex[:4]}",
-                            tmp_path_factory.mktemp("workers"),
-                            args=["--max-num-seqs", "8", "--kv-cache-bytes",
-                                  str(16 * 1024 * 1024)])
-    try:
-        process.wait_ready(redis_client)
+    with running_worker(service_settings, redis_client, tmp_path_factory.mktemp("workers"),
+                        "oai", args=["--max-num-seqs", "8", "--kv-cache-bytes",
+                                     str(16 * 1024 * 1024)]) as process:
         yield process
-    finally:
-        process.terminate()
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from tests.pipeline_helpers import (
     iter_sse,
     read_job,
     read_stream,
+    running_worker,
     submit,
     wait_for,
     wait_terminal,
@@ -38,13 +39,9 @@ def base_url(start_web, service_settings):
 
 @pytest.fixture(scope="module")
 def group_a(service_settings, redis_client, tmp_path_factory):
-    worker = WorkerProcess(service_settings, f"group-a-{uuid.uuid4().hex[:4]}",
-                           tmp_path_factory.mktemp("workers"), args=WORKER_ARGS)
-    try:
-        worker.wait_ready(redis_client)
+    with running_worker(service_settings, redis_client, tmp_path_factory.mktemp("workers"),
+                        "group-a", args=WORKER_ARGS) as worker:
         yield worker
-    finally:
-        worker.terminate()
 
 
 @pytest.fixture(scope="module")

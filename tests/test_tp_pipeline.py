@@ -18,6 +18,7 @@ from tests.pipeline_helpers import (
     iter_sse,
     read_job,
     read_stream,
+    running_worker,
     submit,
     wait_for,
     wait_terminal,
@@ -37,13 +38,9 @@ def base_url(start_web, service_settings):
 
 @pytest.fixture
 def tp_group(service_settings, redis_client, tmp_path_factory):
-    worker = WorkerProcess(service_settings, f"tp-{uuid.uuid4().hex[:4]}",
-                           tmp_path_factory.mktemp("workers"), args=TP_ARGS)
-    try:
-        worker.wait_ready(redis_client)
+    with running_worker(service_settings, redis_client, tmp_path_factory.mktemp("workers"),
+                        "tp", args=TP_ARGS) as worker:
         yield worker
-    finally:
-        worker.terminate()
 
 
 def test_tp_group_serves_the_tp1_text_and_reports_its_topology(base_url, tp_group,
