@@ -31,6 +31,8 @@ from typing import Any, Protocol
 import redis
 from redis import Redis
 
+from tasks.redis_client import dedicated_connection
+
 logger = logging.getLogger(__name__)
 
 GAP = object()  # queued instead of messages that may have been missed
@@ -105,11 +107,7 @@ class LiveHub:
     """Started on first use in each process (a forked child starts its own)."""
 
     def __init__(self, redis_client: Redis) -> None:
-        pool = redis_client.connection_pool
-        # NOTE: no client-side health check: a PING on a subscribed connection is answered
-        # with a pong message the hub reads itself. Liveness is PING_SECONDS below.
-        self._connection_kwargs = {**pool.connection_kwargs, "health_check_interval": 0}
-        self._connection_class = pool.connection_class
+        self._redis = redis_client  # liveness of the hub connection: PING_SECONDS below
         self._lock = threading.Lock()
         self._channels: dict[bytes, set[Listener]] = {}
         self._pending: dict[bytes, int] = {}  # SUBSCRIBEs sent, not yet confirmed
@@ -195,7 +193,7 @@ class LiveHub:
             self._disconnect_locked()
 
     def _connect(self) -> None:
-        conn = self._connection_class(**self._connection_kwargs)
+        conn = dedicated_connection(self._redis)
         conn.connect()
         with self._lock:
             self._conn = conn

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
@@ -29,3 +31,20 @@ def make_redis(url: str) -> redis.Redis:
         health_check_interval=HEALTH_CHECK_INTERVAL_SECONDS,
         retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=1),
     )
+
+
+def dedicated_connection(client: redis.Redis) -> Any:
+    """A new connection with `client`'s settings, outside its pool, for one thread's use.
+
+    NOTE: no client-side health check. It would send a PING and read the reply in
+    whichever thread sends next, out of turn with a connection whose replies another
+    thread reads (a pipelined sender) or that is subscribed (the reply is a push message).
+    Its owner checks liveness itself.
+    """
+    pool = client.connection_pool
+    return pool.connection_class(**{**pool.connection_kwargs, "health_check_interval": 0})
+
+
+def as_text(value: str | bytes) -> str:
+    """A Redis reply (bytes: clients here do not decode) as text."""
+    return value.decode() if isinstance(value, bytes) else value

@@ -14,6 +14,7 @@ import redis
 from redis import Redis
 
 from tasks.protocol import JobEvent, events_key, live_channel
+from tasks.redis_client import as_text, dedicated_connection
 from tasks.settings import Settings
 
 # For each event: XADD it, PUBLISH "<entry id> <type> <json data>" on the live channel,
@@ -69,7 +70,7 @@ class EventPublisher:
             return []
         keys, packed = self._encode(events)
         entry_ids = self._script(keys=keys, args=[packed])
-        return [_text(entry_id) for entry_id in entry_ids]
+        return [as_text(entry_id) for entry_id in entry_ids]
 
     def sender(self) -> PipelinedSender:
         """A sender on its own connection, for a thread that must not wait for replies."""
@@ -98,11 +99,6 @@ class PipelinedSender:
     """
 
     def __init__(self, publisher: EventPublisher) -> None:
-        pool = publisher._redis.connection_pool
-        # NOTE: no client-side health check: it would read a PING reply in the sending
-        # thread, out of turn with the replies the receiving thread reads.
-        self._connection_kwargs = {**pool.connection_kwargs, "health_check_interval": 0}
-        self._connection_class = pool.connection_class
         self._publisher = publisher
         self._lock = threading.Lock()
         self._conn: Any = None
@@ -114,7 +110,7 @@ class PipelinedSender:
         with self._lock:
             conn = self._conn
             if conn is None:
-                conn = self._connection_class(**self._connection_kwargs)
+                conn = dedicated_connection(self._publisher._redis)
                 self._conn = conn
             try:
                 # NOTE: EVAL, not EVALSHA: no NOSCRIPT retry is possible once the reply is
@@ -135,7 +131,7 @@ class PipelinedSender:
             with self._lock:
                 self._drop(handle)
             raise
-        return [_text(entry_id) for entry_id in reply]
+        return [as_text(entry_id) for entry_id in reply]
 
     def close(self) -> None:
         with self._lock:
@@ -147,7 +143,3 @@ class PipelinedSender:
         if self._conn is conn:
             self._conn = None
         conn.disconnect()
-
-
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value

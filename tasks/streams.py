@@ -28,6 +28,7 @@ from tasks.live_hub import (
     Sink,
 )
 from tasks.protocol import EventType, JobEvent, events_key, live_channel
+from tasks.redis_client import as_text
 from tasks.settings import Settings
 
 StreamId = tuple[int, int]  # (milliseconds, sequence) of a stream entry id
@@ -42,7 +43,7 @@ _SUBSCRIBE_TIMEOUT_SECONDS = 5.0
 
 def parse_stream_id(entry_id: str | bytes) -> StreamId:
     """`"1700000000000-3"` -> `(1700000000000, 3)`; raises ValueError on anything else."""
-    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    text = as_text(entry_id)
     ms, sep, seq = text.partition("-")
     if not ms.isdigit() or (sep and not seq.isdigit()):
         raise ValueError(f"not a stream entry id: {text!r} (expected <ms>-<seq>)")
@@ -186,8 +187,8 @@ def current_output(events: list[tuple[str, JobEvent]]) -> dict[int, str]:
 
 
 def _stored_entry(entry_id: str | bytes, fields: dict[Any, Any]) -> StreamEntry:
-    decoded = {_text(k): _text(v) for k, v in fields.items()}
-    return StreamEntry(_text(entry_id), EventType(decoded["type"]), decoded.get("data") or "{}")
+    decoded = {as_text(k): as_text(v) for k, v in fields.items()}
+    return StreamEntry(as_text(entry_id), EventType(decoded["type"]), decoded.get("data") or "{}")
 
 
 def _format_id(entry: StreamId) -> str | None:
@@ -195,9 +196,6 @@ def _format_id(entry: StreamId) -> str | None:
 
 
 def _parse_live(data: bytes | str) -> StreamEntry:
-    entry_id, event_type, payload = _text(data).split(" ", 2)
+    entry_id, event_type, payload = as_text(data).split(" ", 2)
     return StreamEntry(entry_id, EventType(event_type), payload)
 
-
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
