@@ -87,14 +87,12 @@ class Listener:
         """The reader took GAP: queue messages again (it re-reads the stream next)."""
         self.dropping = False
 
-    def start_direct(self, sink: Sink, last: tuple[int, int]) -> bool:
-        """Let the hub deliver to `sink` from now on; False (nothing changes) while
-        messages wait in the queue: the reader handles those first."""
+    def start_direct(self, sink: Sink, last: tuple[int, int]) -> None:
+        """Let the hub deliver to `sink` from now on, unless messages wait in the queue:
+        the reader handles those first (and tries again after)."""
         with self.lock:
-            if not self.queue.empty():
-                return False
-            self.sink, self.last = sink, last
-            return True
+            if self.queue.empty():
+                self.sink, self.last = sink, last
 
     def stop_direct(self) -> tuple[int, int]:
         """Take delivery back; returns the id of the last event the hub delivered."""
@@ -107,7 +105,7 @@ class LiveHub:
     """Started on first use in each process (a forked child starts its own)."""
 
     def __init__(self, redis_client: Redis) -> None:
-        self._redis = redis_client  # liveness of the hub connection: PING_SECONDS below
+        self._redis = redis_client  # the hub connection takes this client's settings
         self._lock = threading.Lock()
         self._channels: dict[bytes, set[Listener]] = {}
         self._pending: dict[bytes, int] = {}  # SUBSCRIBEs sent, not yet confirmed

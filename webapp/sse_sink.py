@@ -14,14 +14,11 @@ other server, TLS or worker class gets no sink, and the thread writes every even
 
 from __future__ import annotations
 
-import logging
 import socket
 from typing import Any
 
 from tasks.live_hub import Delivery
 from tasks.protocol import EventType
-
-logger = logging.getLogger(__name__)
 
 RESTART = EventType.RESTART.value.encode()
 
