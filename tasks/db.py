@@ -89,6 +89,9 @@ def alembic_config(url: str) -> Any:
 
 def upgrade_database(url: str) -> None:
     """Migrate the database at `url` to the newest schema (`alembic upgrade head`)."""
+    # NOTE: alembic announces each of its own plugins at INFO when it is imported; only
+    # the migrations it applies are worth a line
+    logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
     from alembic import command
 
     logger.info("upgrading database schema at %s", _redact(url))
