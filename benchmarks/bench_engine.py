@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvcache.kv_cache_manager import KVCacheManager
 from tasks.params import SamplingParams
-from workers.scheduler import Scheduler
-from workers.sequence import Sequence
-from workers.step_io import ModelRunnerOutput, SchedulerOutput
+from workers.engine.scheduler import Scheduler
+from workers.engine.sequence import Sequence
+from workers.engine.step_io import ModelRunnerOutput, SchedulerOutput
 
 # ---- 1. scheduler overhead -----------------------------------------------------------
 
@@ -101,7 +101,7 @@ def make_workload(num_requests: int, vocab_size: int, seed: int = 0) -> Workload
 
 
 def run_engine(model_dir: Path, work: Workload, kv_cache_bytes: int) -> tuple[float, list]:
-    from workers.engine import Engine, EngineConfig
+    from workers.engine.core import Engine, EngineConfig
 
     engine = Engine.from_checkpoint(
         str(model_dir), dtype="float32", kv_cache_bytes=kv_cache_bytes, config=EngineConfig()
@@ -163,7 +163,7 @@ def bench_engine(args: argparse.Namespace) -> dict[str, float]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from workers.make_model import make_model
+    from workers.engine.make_model import make_model
 
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:

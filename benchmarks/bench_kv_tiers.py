@@ -36,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tasks.params import SamplingParams
-from workers.engine import Engine, EngineConfig
+from workers.engine.core import Engine, EngineConfig
 
 BLOCK_SIZE = 16
 
@@ -183,7 +183,7 @@ def main() -> int:
     try:
         model_dir = args.model_dir
         if model_dir is None:
-            from workers.make_model import make_model
+            from workers.engine.make_model import make_model
 
             print(f"building the 100m qwen3 checkpoint in {tmp} ...", flush=True)
             model_dir = str(make_model(tmp / "model", "qwen3", "100m", seed=0, dtype="float32"))

@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from tasks.params import SamplingParams
-from workers.loader import load_checkpoint
-from workers.model_runner import ModelRunner
-from workers.step_io import ScheduledSequence, SchedulerOutput
+from workers.engine.loader import load_checkpoint
+from workers.engine.model_runner import ModelRunner
+from workers.engine.step_io import ScheduledSequence, SchedulerOutput
 
 BLOCK_SIZE = 16
 
@@ -113,7 +113,7 @@ def main() -> None:
     tmp = None
     model_dir = args.model_dir
     if model_dir is None:
-        from workers.make_model import make_model
+        from workers.engine.make_model import make_model
 
         tmp = tempfile.TemporaryDirectory()
         print(f"building the 100m {args.arch} checkpoint in {tmp.name} ...", flush=True)

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_pipeline.py [--preset small] [--num-jobs 64] [--max-tokens 128]
 
-In one run, on one random checkpoint (written with `workers.make_model`):
+In one run, on one random checkpoint (written with `workers.engine.make_model`):
 
 1. offline: the engine alone (`Engine.from_checkpoint`, same config as the worker) runs
    the workload, every request added at once: output tokens/s;
@@ -51,7 +51,7 @@ from tests.pipeline_helpers import worker_env  # noqa: E402
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="small", help="workers.make_model preset")
+    p.add_argument("--preset", default="small", help="workers.engine.make_model preset")
     p.add_argument("--num-jobs", type=int, default=64, help="concurrent jobs (= SSE streams)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--rounds", type=int, default=3,
@@ -86,7 +86,7 @@ def load_offline_engine(model_dir: str, args: argparse.Namespace, settings: Sett
     import torch
 
     from tasks.params import SamplingParams
-    from workers.engine import Engine, EngineConfig
+    from workers.engine.core import Engine, EngineConfig
 
     torch.set_num_threads(args.threads)
     config = EngineConfig(block_size=settings.block_size, max_num_seqs=settings.max_num_seqs,
@@ -155,7 +155,7 @@ class Services:
              "-b", f"127.0.0.1:{self.port}", "webapp.wsgi:app"],
             cwd=REPO, env=env, stdout=self.logs[0], stderr=subprocess.STDOUT)
         self.worker = subprocess.Popen(
-            [sys.executable, "-m", "workers.worker", "--model-name", "bench", "--group-id",
+            [sys.executable, "-m", "workers.main", "--model-name", "bench", "--group-id",
              "bench-group", "--loglevel", "WARNING",
              *(["--concurrency", str(args.worker_concurrency)] if args.worker_concurrency
                else [])],
@@ -437,7 +437,7 @@ def _free_port() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from workers.make_model import make_model
+    from workers.engine.make_model import make_model
 
     workdir = Path(tempfile.mkdtemp(prefix="llmq-bench-pipeline-"))
     model_dir = str(make_model(workdir / "model", "qwen3", args.preset))

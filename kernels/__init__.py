@@ -1,4 +1,4 @@
-"""Kernels: RMSNorm, rotary embedding, gated activation, paged attention (and sampling).
+"""Kernels: RMSNorm, rotary embedding, gated activation, paged attention.
 
 Call them through these functions: each forwards to the implementation `kernels.dispatch`
 chose for the tensors' device (the pure-torch reference unless a backend registered one).

@@ -24,7 +24,7 @@ from tasks.models import Job, JobStatus
 from tasks.protocol import EXPIRE_STREAMS_TASK, RECLAIM_TASK, EventType, JobEvent
 from tasks.redis_client import make_redis
 from tasks.settings import Settings
-from tasks.stream_publish import EventPublisher
+from tasks.streams.publish import EventPublisher
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import pytest
 
 
 def _build(factory: pytest.TempPathFactory, name: str, **kwargs) -> Path:
-    from workers.make_model import make_model
+    from workers.engine.make_model import make_model
 
     return make_model(factory.mktemp(name), preset="tiny", seed=0, dtype="float32", **kwargs)
 

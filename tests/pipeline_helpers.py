@@ -96,7 +96,7 @@ def worker_env(settings: Settings, **extra: str) -> dict[str, str]:
 
 
 class WorkerProcess:
-    """A real `python -m workers.worker` process; its log goes to `log_path`."""
+    """A real `python -m workers.main` process; its log goes to `log_path`."""
 
     def __init__(self, settings: Settings, group_id: str, log_dir: Path, *,
                  model: str = "tiny", args: list[str] | None = None) -> None:
@@ -104,7 +104,7 @@ class WorkerProcess:
         self.group_id = group_id
         self.model = model
         self.log_path = log_dir / f"worker-{group_id}.log"
-        command = [sys.executable, "-m", "workers.worker", "--model-name", model,
+        command = [sys.executable, "-m", "workers.main", "--model-name", model,
                    "--group-id", group_id, "--heartbeat-seconds", "0.5", *(args or [])]
         self._log = open(self.log_path, "wb")
         self.process = subprocess.Popen(command, cwd=REPO, env=worker_env(settings),

@@ -14,7 +14,6 @@ from sqlalchemy import func, select, update
 from transformers import AutoTokenizer
 
 from tasks.auth import create_api_key
-from tasks.model_registry import read_max_model_len
 from tasks.models import Job, JobStatus
 from tasks.protocol import (
     GENERATE_TASK,
@@ -25,7 +24,8 @@ from tasks.protocol import (
     group_alive_key,
     groups_key,
 )
-from tasks.stream_publish import EventPublisher
+from tasks.streams.publish import EventPublisher
+from webapp.model_registry import read_max_model_len
 
 
 @pytest.fixture
@@ -429,13 +429,13 @@ def test_cli_keys_create_prints_a_working_key_once(start_web, api_settings, sess
     import sys
 
     env = {**os.environ, "LLMQ_DATABASE_URL": api_settings.database_url}
-    result = subprocess.run([sys.executable, "-m", "tasks.cli", "keys", "create", "ci-bot"],
+    result = subprocess.run([sys.executable, "-m", "llmq.cli", "keys", "create", "ci-bot"],
                             env=env, capture_output=True, text=True, check=False, timeout=120)
     assert result.returncode == 0, result.stderr
     key = result.stdout.strip()
     assert key.startswith("llmq-") and len(key.splitlines()) == 1
     assert "shown only this once" in result.stderr
-    listed = subprocess.run([sys.executable, "-m", "tasks.cli", "keys", "list"], env=env,
+    listed = subprocess.run([sys.executable, "-m", "llmq.cli", "keys", "list"], env=env,
                             capture_output=True, text=True, check=False, timeout=120)
     assert "ci-bot" in listed.stdout and key not in listed.stdout
 
@@ -467,7 +467,7 @@ def test_cli_submit_prints_the_streamed_text(api, api_settings, session_factory,
 
     before = {j["id"] for j in requests.get(f"{api}/v1/jobs?limit=100", timeout=30).json()["data"]}
     process = subprocess.Popen(
-        [sys.executable, "-m", "tasks.cli", "submit", "hello", "--max-tokens", "3", "--url", api],
+        [sys.executable, "-m", "llmq.cli", "submit", "hello", "--max-tokens", "3", "--url", api],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60

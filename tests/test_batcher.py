@@ -14,19 +14,19 @@ import pytest
 from tasks.models import JobStatus
 from tasks.params import SamplingParams
 from tasks.protocol import EventType, JobEvent, cancel_flag_key
-from tasks.stream_publish import EventPublisher
+from tasks.streams.publish import EventPublisher
 from tests.pipeline_helpers import insert_job, read_job, read_stream, wait_for, wait_terminal
+from workers.admission import GenerateOutcome, JobAdmission
 from workers.batcher import AdmittedJob, Batcher
 from workers.db_writer import DbWriter
 from workers.job_rows import JobResult
-from workers.job_task import GenerateOutcome, JobAdmission
 
 GREEDY = {"temperature": 0.0}
 
 
 @pytest.fixture(scope="module")
 def tiny_engine(tiny_qwen3_dir):
-    from workers.engine import Engine, EngineConfig
+    from workers.engine.core import Engine, EngineConfig
 
     config = EngineConfig(block_size=16, max_num_seqs=8, max_num_batched_tokens=512)
     return Engine.from_checkpoint(str(tiny_qwen3_dir), kv_cache_bytes=8 * 1024 * 1024,

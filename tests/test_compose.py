@@ -45,7 +45,7 @@ def test_service_command_is_a_real_entry_point(service: str) -> None:
     if subcommand and subcommand[0] not in ("db",):
         subcommand = subcommand[:1]
     result = subprocess.run(
-        [sys.executable, "-m", "tasks.cli", *subcommand, "--help"],
+        [sys.executable, "-m", "llmq.cli", *subcommand, "--help"],
         capture_output=True, text=True, timeout=120, cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr
@@ -57,12 +57,12 @@ def test_service_command_is_a_real_entry_point(service: str) -> None:
 )
 def test_service_command_flags_are_accepted(service: str) -> None:
     """The whole argv, flags included, parses with the parser that will run it."""
-    from tasks.cli import build_parser
+    from llmq.cli import build_parser
 
     argv = _compose_config()["services"][service]["command"][1:]
     if argv[0] == "worker":
         # `llmq worker ...` is handed whole to the worker's own parser
-        from workers.worker import build_parser as worker_parser
+        from workers.main import build_parser as worker_parser
 
         args = worker_parser().parse_args(argv[1:])
         assert args.model_name and args.model_dir, argv

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from workers.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from workers.engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 
 TRAINING_TEXT = [
     "héllo wörld 日本語 🙂",

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from tasks.params import SamplingParams
-from workers.engine import Engine, EngineConfig, PromptTooLongError
-from workers.outputs import CompletionDelta, FinishReason
+from workers.engine.core import Engine, EngineConfig, PromptTooLongError
+from workers.engine.outputs import CompletionDelta, FinishReason
 
 # tiny preset, fp32: 2 layers x 2 KV heads x 16 dims x 2 (K, V) x 4 bytes x 16 tokens
 BYTES_PER_BLOCK = 2 * 2 * 16 * 2 * 4 * 16

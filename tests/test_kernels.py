@@ -231,7 +231,7 @@ def test_dispatch_uses_a_registered_backend_then_the_reference():
 
 
 def test_tensor_parallel_shards_recombine_to_the_full_layer():
-    from workers.models.layers import (
+    from workers.engine.models.layers import (
         MergedColumnParallelLinear,
         QKVParallelLinear,
         RowParallelLinear,

@@ -374,9 +374,9 @@ def test_blocks_loaded_from_the_tier_give_the_same_logits_as_recompute(
     import torch
 
     from tasks.params import SamplingParams
-    from workers.loader import load_checkpoint
-    from workers.model_runner import ModelRunner
-    from workers.step_io import ScheduledSequence, SchedulerOutput
+    from workers.engine.loader import load_checkpoint
+    from workers.engine.model_runner import ModelRunner
+    from workers.engine.step_io import ScheduledSequence, SchedulerOutput
 
     loaded = load_checkpoint(tiny_qwen3_dir, dtype="float32")
     config = loaded.config

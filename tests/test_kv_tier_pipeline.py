@@ -42,7 +42,7 @@ def test_a_prefix_computed_on_one_group_is_a_tier_hit_on_another(
         start_web, service_settings, redis_client, session_factory, kv_tier_url,
         tmp_path) -> None:
     from tasks.params import SamplingParams
-    from workers.llm import LLM
+    from workers.engine.llm import LLM
 
     base_url = start_web(service_settings)
     args = [*WORKER_ARGS, "--kv-tier", kv_tier_url]

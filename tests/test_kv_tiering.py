@@ -19,7 +19,7 @@ import redis
 from kvcache.block_format import HEADER_SIZE
 from tasks.params import SamplingParams
 from tests.fixtures_services import start_redis_server
-from workers.llm import LLM
+from workers.engine.llm import LLM
 
 BLOCK_SIZE = 16
 PREFIX_BLOCKS = 4  # 64-token shared prefixes
@@ -262,9 +262,9 @@ def test_scheduler_loads_tier_blocks_into_fresh_blocks_and_asks_once(tmp_path: P
     from kvcache.block_format import BlockMeta
     from kvcache.kv_cache_manager import KVCacheManager
     from kvcache.offload import KVOffloadManager
-    from workers.kv_tiering import KVTiering
-    from workers.scheduler import Scheduler
-    from workers.sequence import Sequence, SequenceStatus
+    from workers.engine.kv_tiering import KVTiering
+    from workers.engine.scheduler import Scheduler
+    from workers.engine.sequence import Sequence, SequenceStatus
 
     bs = 4
     meta = BlockMeta("f" * 16, "uint8", bs, (64,))

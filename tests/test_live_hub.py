@@ -9,10 +9,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from tasks import live_hub
+from tasks.streams import live_hub
 from tasks.protocol import EventType, JobEvent
-from tasks.stream_publish import EventPublisher
-from tasks.streams import EventSubscriber, StreamEntry
+from tasks.streams.publish import EventPublisher
+from tasks.streams.reader import EventSubscriber, StreamEntry
 
 
 def _token(i: int) -> JobEvent:

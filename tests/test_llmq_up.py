@@ -57,7 +57,7 @@ def test_llmq_up_serves_a_completion_and_stops_cleanly(tmp_path):
     env["PYTHONPATH"] = str(REPO)
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "tasks.cli", "up", "--state-dir", str(tmp_path / "state"),
+        [sys.executable, "-m", "llmq.cli", "up", "--state-dir", str(tmp_path / "state"),
          "--port", str(port), "--demo-preset", "tiny"],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: queue.Queue[str] = queue.Queue()

@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from workers.loader import CheckpointError, load_checkpoint
-from workers.make_model import make_model
+from workers.engine.loader import CheckpointError, load_checkpoint
+from workers.engine.make_model import make_model
 
 
 @pytest.fixture()
@@ -72,7 +72,7 @@ def test_sharded_checkpoint_loads_the_same_weights(tmp_path, tiny_llama_dir):
 def test_fingerprint_is_stable_across_processes(tiny_qwen3_dir, tiny_qwen2_dir):
     here = load_checkpoint(tiny_qwen3_dir).fingerprint
     code = ("import sys, torch; from pathlib import Path; "
-            "from workers.loader import checkpoint_fingerprint; "
+            "from workers.engine.loader import checkpoint_fingerprint; "
             "print(checkpoint_fingerprint(Path(sys.argv[1]), torch.float32))")
     there = subprocess.run([sys.executable, "-c", code, str(tiny_qwen3_dir)], check=True,
                            capture_output=True, text=True, cwd=Path(__file__).parent.parent)
@@ -83,7 +83,7 @@ def test_fingerprint_is_stable_across_processes(tiny_qwen3_dir, tiny_qwen2_dir):
 def test_fingerprint_tells_different_weights_apart(tmp_path):
     a = make_model(tmp_path / "a", arch="qwen3", preset="tiny", seed=1)
     b = make_model(tmp_path / "b", arch="qwen3", preset="tiny", seed=2)
-    from workers.loader import checkpoint_fingerprint
+    from workers.engine.loader import checkpoint_fingerprint
 
     assert checkpoint_fingerprint(a, torch.float32) != checkpoint_fingerprint(b, torch.float32)
 

@@ -20,8 +20,8 @@ from tasks.protocol import (
     JobEvent,
     events_key,
 )
-from tasks.stream_publish import EventPublisher
-from tasks.streams import EventSubscriber
+from tasks.streams.publish import EventPublisher
+from tasks.streams.reader import EventSubscriber
 
 
 @pytest.fixture

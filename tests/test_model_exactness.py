@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from tasks.params import SamplingParams
-from workers.loader import load_checkpoint
-from workers.model_runner import ModelRunner
-from workers.step_io import ScheduledSequence, SchedulerOutput
+from workers.engine.loader import load_checkpoint
+from workers.engine.model_runner import ModelRunner
+from workers.engine.step_io import ScheduledSequence, SchedulerOutput
 
 BLOCK_SIZE = 16
 PROMPT_LENS = [1, BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1, 300]
@@ -40,7 +40,7 @@ def _one_thread():
 def _greedy(runner: ModelRunner, out: SchedulerOutput) -> list[int]:
     """One step's sampled tokens: through the runner's sampler when it exists."""
     try:
-        import kernels.sampling  # noqa: F401
+        import workers.engine.sampler  # noqa: F401
     except ImportError:
         logits = runner.forward_logits(out)
         rows, _ = runner._sample_rows(out)

@@ -31,7 +31,7 @@ def worker(service_settings, redis_client, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def offline(service_settings):
-    from workers.llm import LLM
+    from workers.engine.llm import LLM
 
     return LLM(service_settings.models["tiny"], max_num_seqs=8, kv_cache_bytes=16 * 1024 * 1024)
 

@@ -1,5 +1,5 @@
 """The whole job pipeline: the Flask app over HTTP, real Postgres and Redis, and real
-device-group worker processes (`python -m workers.worker`) consuming the Celery queue."""
+device-group worker processes (`python -m workers.main`) consuming the Celery queue."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def group_a(service_settings, redis_client, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def offline_llm(service_settings):
-    from workers.llm import LLM
+    from workers.engine.llm import LLM
 
     return LLM(service_settings.models["tiny"], max_num_seqs=8,
                kv_cache_bytes=16 * 1024 * 1024)

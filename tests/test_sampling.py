@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.sampling import apply_penalties, sample
 from tasks.params import SamplingParams
-from workers.step_io import ScheduledSequence
+from workers.engine.sampler import apply_penalties, sample
+from workers.engine.step_io import ScheduledSequence
 
 VOCAB = 64
 

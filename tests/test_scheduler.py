@@ -8,9 +8,9 @@ import pytest
 
 from kvcache.kv_cache_manager import KVCacheManager
 from tasks.params import SamplingParams
-from workers.scheduler import Scheduler
-from workers.sequence import Sequence, SequenceStatus
-from workers.step_io import ModelRunnerOutput, SchedulerOutput
+from workers.engine.scheduler import Scheduler
+from workers.engine.sequence import Sequence, SequenceStatus
+from workers.engine.step_io import ModelRunnerOutput, SchedulerOutput
 
 EOS = 2
 

@@ -12,9 +12,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvcache.kv_cache_manager import KVCacheManager
 from tasks.params import SamplingParams
-from workers.scheduler import Scheduler
-from workers.sequence import Sequence, SequenceStatus
-from workers.step_io import ModelRunnerOutput
+from workers.engine.scheduler import Scheduler
+from workers.engine.sequence import Sequence, SequenceStatus
+from workers.engine.step_io import ModelRunnerOutput
 
 EOS = 2
 BLOCK_SIZE = 4

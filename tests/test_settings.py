@@ -108,7 +108,7 @@ def test_every_cli_command_has_help():
 
     for command in ([], ["web"], ["beat"], ["db", "upgrade"], ["keys", "create"],
                     ["keys", "list"], ["make-model"], ["submit"]):
-        result = subprocess.run([sys.executable, "-m", "tasks.cli", *command, "--help"],
+        result = subprocess.run([sys.executable, "-m", "llmq.cli", *command, "--help"],
                                 capture_output=True, text=True, check=False, timeout=60)
         assert result.returncode == 0, (command, result.stderr)
         assert "usage: llmq" in result.stdout

@@ -10,10 +10,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from tasks.live_hub import Delivery
 from tasks.protocol import EventType, JobEvent
-from tasks.stream_publish import EventPublisher
-from tasks.streams import EventSubscriber
+from tasks.streams.live_hub import Delivery
+from tasks.streams.publish import EventPublisher
+from tasks.streams.reader import EventSubscriber
 from webapp.events import format_entry
 from webapp.sse_sink import SocketSink
 

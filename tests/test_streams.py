@@ -10,8 +10,8 @@ import pytest
 import redis
 
 from tasks.protocol import EventType, JobEvent, events_key
-from tasks.stream_publish import EventPublisher
-from tasks.streams import EventSubscriber, current_output, parse_stream_id
+from tasks.streams.publish import EventPublisher
+from tasks.streams.reader import EventSubscriber, current_output, parse_stream_id
 
 
 def _tokens(n: int, start: int = 0) -> list[JobEvent]:

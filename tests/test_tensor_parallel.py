@@ -18,7 +18,7 @@ NUM_NEW_TOKENS = 40
 
 
 def _greedy(model_dir, tp: int) -> list[list[int]]:
-    from workers.llm import LLM
+    from workers.engine.llm import LLM
 
     params = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True)
     # a small chunk budget: the longer prompts are split over steps and run alongside
@@ -41,7 +41,7 @@ def test_tp2_greedy_tokens_equal_tp1(fixture, request):
 
 @pytest.fixture
 def tp_runner(tiny_qwen3_dir):
-    from workers.parallel import make_tp_runner
+    from workers.engine.parallel import make_tp_runner
 
     runner = make_tp_runner(str(tiny_qwen3_dir), device="cpu", tp_size=2, dtype="float32",
                             kv_cache_bytes=1 << 20, timeout_seconds=30.0)
@@ -52,7 +52,7 @@ def tp_runner(tiny_qwen3_dir):
 
 
 def _step(token_ids: list[int], block_table: list[int], start_pos: int = 0):
-    from workers.step_io import ScheduledSequence, SchedulerOutput
+    from workers.engine.step_io import ScheduledSequence, SchedulerOutput
 
     params = SamplingParams(max_tokens=4, temperature=0.0)
     seq = ScheduledSequence(0, token_ids, start_pos, block_table, True, params,
@@ -78,7 +78,7 @@ def test_kv_blocks_gather_and_scatter_over_ranks(tp_runner):
 
 
 def test_a_dead_rank_fails_the_step_and_every_later_one(tp_runner):
-    from workers.parallel import TensorParallelError
+    from workers.engine.parallel import TensorParallelError
 
     failures: list[str] = []
     tp_runner.on_failure(failures.append)
@@ -99,7 +99,7 @@ def test_kv_tier_blocks_written_by_one_tp_group_are_hits_for_another(tiny_qwen3_
                                                                      tmp_path):
     """A TP group's tier blob holds every rank's slab: a second group loads the prefix
     from the tier and generates the same tokens."""
-    from workers.llm import LLM
+    from workers.engine.llm import LLM
 
     tier = f"file://{tmp_path}/kv?max_bytes=100000000"
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -117,7 +117,7 @@ def test_kv_tier_blocks_written_by_one_tp_group_are_hits_for_another(tiny_qwen3_
 
 
 def test_one_tp_group_per_process(tp_runner, tiny_qwen3_dir):
-    from workers.parallel import TensorParallelError, make_tp_runner
+    from workers.engine.parallel import TensorParallelError, make_tp_runner
 
     with pytest.raises(TensorParallelError, match="close\\(\\) the other engine or LLM"):
         make_tp_runner(str(tiny_qwen3_dir), device="cpu", tp_size=2, dtype="float32")

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from workers.topology import (
+from workers.engine.topology import (
     DeviceKind,
     TopologyError,
     build_topology,
@@ -115,7 +115,7 @@ def test_npu_without_torch_npu_says_pip_install_llmq_npu(monkeypatch):
 
 def test_worker_refuses_a_bad_topology_before_starting(tiny_qwen3_dir, capsys,
                                                       monkeypatch):
-    from workers.worker import main
+    from workers.main import main
 
     monkeypatch.setitem(sys.modules, "torch_npu", None)
     assert main(["--model-name", "tiny", "--model-dir", str(tiny_qwen3_dir), "--device",

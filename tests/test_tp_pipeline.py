@@ -1,4 +1,4 @@
-"""A tensor-parallel device group in the whole pipeline: `python -m workers.worker
+"""A tensor-parallel device group in the whole pipeline: `python -m workers.main
 --devices 0,1 --tp 2` (rank 0 in the worker, rank 1 a spawned process, gloo on CPU)
 serves jobs over HTTP exactly like one device, reports its topology, and a killed rank
 fails its running jobs with a reason and stops the worker instead of hanging."""
@@ -47,7 +47,7 @@ def test_tp_group_serves_the_tp1_text_and_reports_its_topology(base_url, tp_grou
                                                                redis_client, session_factory,
                                                                service_settings):
     from tasks.params import SamplingParams
-    from workers.llm import LLM
+    from workers.engine.llm import LLM
 
     topology = tp_group.heartbeat(redis_client)["topology"]
     assert topology["device_kind"] == "cpu" and topology["tp_size"] == 2

@@ -19,7 +19,7 @@ from flask import Blueprint, Response, request, stream_with_context
 
 from tasks.models import Job, JobStatus
 from tasks.protocol import EventType, JobEvent
-from tasks.streams import EventSubscriber, StreamEntry, parse_stream_id
+from tasks.streams.reader import EventSubscriber, StreamEntry, parse_stream_id
 from webapp.errors import APIError
 from webapp.jobs import load_job
 from webapp.serialize import is_terminal

@@ -14,13 +14,13 @@ from sqlalchemy import delete, or_, select, update
 from tasks.celery_app import send_generate
 from tasks.db import update_count, utcnow
 from tasks.metrics import record_queued_cancel
-from tasks.model_registry import ModelLoadError, ServedModel, UnknownModelError
 from tasks.models import Job, JobStatus
 from tasks.protocol import EventType, JobEvent, cancel_channel, cancel_flag_key
 from tasks.schema import JobRequest, SchemaError, parse_job_request
-from tasks.streams import current_output
+from tasks.streams.reader import current_output
 from webapp.auth import current_api_key_id
 from webapp.errors import APIError, redis_unavailable
+from webapp.model_registry import ModelLoadError, ServedModel, UnknownModelError
 from webapp.serialize import is_terminal, job_links, job_to_dict
 from webapp.services import Services, services
 

@@ -13,9 +13,9 @@ import sqlalchemy.exc
 from flask import Blueprint, Response, jsonify
 from sqlalchemy import text
 
-from tasks.model_registry import ModelLoadError
 from tasks.protocol import group_alive_key, groups_key
 from webapp.errors import APIError
+from webapp.model_registry import ModelLoadError
 from webapp.services import services
 
 logger = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ def ready() -> tuple[Response, int]:
         missing.append("redis (check LLMQ_REDIS_URL)")
     if checks["redis"] == "ok":
         checks["workers"] = {name: len(groups) for name, groups in live.items()}
-        # each live group's devices and KV capacity (workers.topology.GroupTopology)
+        # each live group's devices and KV capacity (workers.engine.topology.GroupTopology)
         checks["topology"] = {name: [{"id": group["id"], **group.get("topology", {})}
                                      for group in groups] for name, groups in live.items()}
         for name, groups in live.items():

@@ -16,11 +16,11 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from tasks.celery_app import create_celery
 from tasks.db import create_db_engine, make_sessionmaker
-from tasks.model_registry import ModelRegistry
 from tasks.redis_client import make_redis
 from tasks.settings import Settings
-from tasks.stream_publish import EventPublisher
-from tasks.streams import EventSubscriber
+from tasks.streams.publish import EventPublisher
+from tasks.streams.reader import EventSubscriber
+from webapp.model_registry import ModelRegistry
 
 EXTENSION_KEY = "llmq"
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import socket
 from typing import Any
 
-from tasks.live_hub import Delivery
 from tasks.protocol import EventType
+from tasks.streams.live_hub import Delivery
 
 RESTART = EventType.RESTART.value.encode()
 

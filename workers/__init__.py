@@ -1,4 +1,5 @@
-"""The device-group side: engine, scheduler, runner, models, worker service.
+"""The device-group service (Celery worker, batcher, writer, publisher, heartbeat) and,
+in `workers.engine`, the engine it drives.
 
 `from workers import LLM, SamplingParams` is the offline API. Heavy modules (torch) load
 on first use, so importing a plain-data module of this package stays cheap.
@@ -13,7 +14,7 @@ __all__ = ["LLM", "SamplingParams"]
 
 def __getattr__(name: str) -> Any:
     if name == "LLM":
-        from workers.llm import LLM
+        from workers.engine.llm import LLM
 
         return LLM
     raise AttributeError(f"module 'workers' has no attribute {name!r}")

@@ -30,11 +30,11 @@ from tasks.db import utcnow
 from tasks.metrics import JobFigures, WorkerMetrics
 from tasks.params import SamplingParams
 from tasks.protocol import JobEvent
-from tasks.stream_publish import EventPublisher
+from tasks.streams.publish import EventPublisher
 from workers.db_writer import DbWriter
+from workers.engine.outputs import CompletionDelta
 from workers.job_rows import JobResult
 from workers.job_state import JobState
-from workers.outputs import CompletionDelta
 from workers.step_publisher import StepPublisher
 
 logger = logging.getLogger(__name__)

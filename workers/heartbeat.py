@@ -34,7 +34,7 @@ class GroupIdentity:
     max_model_len: int
     max_num_batched_tokens: int
     block_size: int
-    # workers.topology.GroupTopology as a dict: device kind, devices, tp_size, KV capacity
+    # workers.engine.topology.GroupTopology as a dict: device kind, devices, tp_size, KV capacity
     # in blocks and tokens, rank pids
     topology: dict[str, Any] = field(default_factory=dict)
     hostname: str = field(default_factory=socket.gethostname)

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 from tasks.models import JobStatus
 from tasks.protocol import EventType, JobEvent
+from workers.engine.outputs import CompletionDelta, FinishReason
 from workers.job_rows import JobProgress, JobResult
-from workers.outputs import CompletionDelta, FinishReason
 
 # NOTE: Postgres text cannot hold NUL. A NUL the model emits reaches the client as U+FFFD,
 # the same in the stream and in the stored output (token ids stay exact).

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tasks.protocol import EventType, JobEvent
-from tasks.stream_publish import PipelinedSender
+from tasks.streams.publish import PipelinedSender
 from workers.job_rows import JobResult
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,195 @@
+"""The body of the `generate(job_id)` Celery task: claim, wait for room, hand over.
+
+Idempotent: it only claims a row that is still `queued` (one conditional UPDATE), so a
+redelivered or duplicated message, or a job cancelled while queued, is skipped. The claim
+sets `attempts = attempts + 1` (attempts counts claims; lease reclaim does not add to it),
+the worker (device group), `started_at` and a first lease. Generation itself runs in the
+batcher thread: this returns as soon as the batcher has taken the job.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from datetime import UTC, timedelta
+from enum import Enum
+from typing import Any
+
+from sqlalchemy import update
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session, sessionmaker
+
+from tasks.db import utcnow
+from tasks.models import Job, JobStatus
+from tasks.params import SamplingParams
+from tasks.protocol import EventType, JobEvent, cancel_flag_key
+from workers.batcher import AdmittedJob, Batcher
+from workers.db_writer import DbWriter
+from workers.engine.outputs import FinishReason
+from workers.job_rows import JobResult
+
+logger = logging.getLogger(__name__)
+
+
+class GenerateOutcome(str, Enum):
+    ADMITTED = "admitted"  # the batcher runs it
+    SKIPPED = "skipped"  # not queued any more (done, cancelled, or claimed elsewhere)
+    FAILED = "failed"  # bad request: the job is failed with a reason
+    CANCELLED = "cancelled"  # its cancel flag was set before it started
+    REQUEUED = "requeued"  # this group is shutting down: given back to the queue
+
+
+class AdmissionRetry(Exception):
+    """Postgres was unreachable before the claim: run this message again later."""
+
+
+class JobAdmission:
+    """Runs `generate(job_id)` for one device group."""
+
+    def __init__(
+        self,
+        settings: Any,
+        session_factory: sessionmaker[Session],
+        redis: Any,
+        batcher: Batcher,
+        writer: DbWriter,
+        group_id: str,
+        send_generate: Callable[[str], Any],
+    ) -> None:
+        self.settings = settings
+        self.session_factory = session_factory
+        self._claim_bind = session_factory.kw["bind"].execution_options(
+            isolation_level="AUTOCOMMIT")
+        self.redis = redis
+        self.batcher = batcher
+        self.writer = writer
+        self.group_id = group_id
+        self.send_generate = send_generate  # re-sends a message this group will not run
+        self._closed = False
+        self._num_in_flight = 0
+        self._cv = threading.Condition()
+
+    def close(self) -> None:
+        """From now on, `run` gives every job back to the queue (drain)."""
+        with self._cv:
+            self._closed = True
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no `run` is in progress. False on timeout."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self._num_in_flight == 0, timeout)
+
+    def run(self, job_id: str) -> GenerateOutcome:
+        with self._cv:
+            closed = self._closed
+            if not closed:
+                self._num_in_flight += 1
+        if closed:
+            # NOTE: the message is already acked; re-send it rather than lose the job.
+            logger.info("job %s handed back: %s is draining", job_id, self.group_id)
+            self.send_generate(str(job_id))
+            return GenerateOutcome.REQUEUED
+        try:
+            return self._run(job_id)
+        finally:
+            with self._cv:
+                self._num_in_flight -= 1
+                self._cv.notify_all()
+
+    def _run(self, job_id: str) -> GenerateOutcome:
+        try:
+            job_uuid = uuid.UUID(str(job_id))
+        except ValueError:
+            logger.error("generate called with a malformed job id %r; ignored", job_id)
+            return GenerateOutcome.SKIPPED
+        job_id = str(job_uuid)
+        try:
+            row = self._claim(job_uuid)
+        except SQLAlchemyError as exc:
+            # NOTE: nothing changed yet; the job is still queued and needs this message.
+            logger.warning("job %s: claim failed (%s); retrying", job_id, exc)
+            raise AdmissionRetry(str(exc)) from exc
+        if row is None:
+            logger.info("job %s is not queued any more; skipped", job_id)
+            return GenerateOutcome.SKIPPED
+        self.writer.own(job_id)
+        attempt = int(row.attempts)
+        logger.info("job %s claimed by %s (attempt %d)", job_id, self.group_id, attempt)
+        try:
+            job = _admitted_job(job_id, row, attempt)
+        except (TypeError, ValueError) as exc:
+            logger.info("job %s has bad parameters: %s", job_id, exc)
+            self._end(job_id, JobStatus.FAILED, f"invalid job parameters: {exc}")
+            return GenerateOutcome.FAILED
+        if self._cancel_requested(job_id):
+            logger.info("job %s was cancelled before it started", job_id)
+            self._end(job_id, JobStatus.CANCELLED, None)
+            return GenerateOutcome.CANCELLED
+        if not self.batcher.admit(job):
+            # NOTE: shutting down; the job never ran here, so give it straight back.
+            logger.info("job %s not admitted: %s is draining", job_id, self.group_id)
+            self.writer.requeue(job_id, attempt + 1)
+            return GenerateOutcome.REQUEUED
+        return GenerateOutcome.ADMITTED
+
+    def _claim(self, job_uuid: uuid.UUID) -> Any:
+        now = utcnow()
+        statement = (
+            update(Job)
+            .where(Job.id == job_uuid, Job.status == JobStatus.QUEUED.value)
+            .values(
+                status=JobStatus.RUNNING.value,
+                worker=self.group_id,
+                started_at=now,
+                lease_expires_at=now + timedelta(seconds=self.settings.lease_seconds),
+                attempts=Job.attempts + 1,
+                finish_reason=None,
+                error=None,
+            )
+            .returning(Job.prompt, Job.prompt_token_ids, Job.params, Job.priority,
+                       Job.attempts, Job.created_at)
+        )
+        # NOTE: one statement, so no transaction around it (one round trip, atomic by
+        # itself), and Core rather than an ORM session: a claim competes for the GIL with
+        # the batcher thread, and every round trip and ORM layer is another wait for it.
+        with self._claim_bind.connect() as conn:
+            return conn.execute(statement).first()
+
+    def _cancel_requested(self, job_id: str) -> bool:
+        try:
+            return bool(self.redis.exists(cancel_flag_key(self.settings, job_id)))
+        except Exception:  # the cancel channel still reaches the batcher
+            logger.warning("could not read the cancel flag of job %s", job_id, exc_info=True)
+            return False
+
+    def _end(self, job_id: str, status: JobStatus, error: str | None) -> None:
+        """Finish a job that never reached the engine (row first, then the event)."""
+        reason = FinishReason.ERROR if status is JobStatus.FAILED else FinishReason.CANCELLED
+        event_type = EventType.ERROR if status is JobStatus.FAILED else EventType.CANCELLED
+        usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0,
+                 "cached_tokens": 0}
+        self.writer.finish(JobResult(
+            job_id=job_id, status=status, finish_reason=reason.value, error=error,
+            output=[], output_text="", prompt_tokens=0, completion_tokens=0, cached_tokens=0,
+            event=JobEvent(event_type, finish_reason=reason.value, error=error, usage=usage),
+        ))
+
+
+def _admitted_job(job_id: str, row: Any, attempt: int) -> AdmittedJob:
+    """Raises TypeError/ValueError on parameters a worker cannot run."""
+    params = SamplingParams(**dict(row.params or {}))
+    prompt: str | list[int]
+    if row.prompt_token_ids:
+        prompt = [int(t) for t in row.prompt_token_ids]
+    elif row.prompt:
+        prompt = str(row.prompt)
+    else:
+        raise ValueError("the job has neither a prompt nor prompt token ids")
+    created = row.created_at  # (SQLite returns it naive; it is UTC)
+    return AdmittedJob(job_id=job_id, prompt=prompt, params=params,
+                       priority=int(row.priority or 0), attempt=attempt,
+                       created_at=created.replace(tzinfo=created.tzinfo or UTC).timestamp()
+                       if created is not None else None, claimed_at=time.time())

@@ -1,0 +1,395 @@
+"""`Engine`: requests in, per-step completion deltas out (continuous batching).
+
+The worker's batcher thread owns one engine and calls, between steps, `add_request` /
+`abort_request`, and in its loop `step()`. One step is schedule → execute → update →
+detokenize. Not thread-safe: only the batcher thread touches it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Protocol
+
+from kvcache.kv_cache_manager import KVCacheManager
+from tasks.params import SamplingParams
+from workers.engine.config import EngineConfig, EngineStats, PromptTooLongError
+from workers.engine.detokenizer import IncrementalDetokenizer
+from workers.engine.outputs import CompletionDelta
+from workers.engine.scheduler import Scheduler
+from workers.engine.sequence import Sequence, SequenceStatus
+from workers.engine.step_io import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from workers.engine.kv_tiering import KVTiering
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Engine", "EngineConfig", "EngineStats", "PromptTooLongError"]
+
+
+class Runner(Protocol):
+    """What the engine needs of a model runner (`workers.engine.model_runner.ModelRunner`)."""
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+@dataclass(slots=True)
+class _Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]  # one per sample, index order
+
+
+class Engine:
+    def __init__(
+        self,
+        runner: Runner,
+        tokenizer: Any,
+        eos_token_ids: list[int],
+        max_model_len: int,
+        config: EngineConfig | None = None,
+        kv_tiering: KVTiering | None = None,
+    ) -> None:
+        self.config = config or EngineConfig()
+        if kv_tiering is not None and not self.config.enable_prefix_caching:
+            raise ValueError("KV tiers need prefix caching (block hashes name the blocks): "
+                             "enable prefix caching or configure no KV tiers")
+        self.kv_tiering = kv_tiering
+        if runner.block_size != self.config.block_size:
+            raise ValueError(
+                f"runner block_size {runner.block_size} != config block_size "
+                f"{self.config.block_size}: build the runner with the engine's block size"
+            )
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.eos_token_ids = list(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.kv_manager = KVCacheManager(
+            runner.num_blocks, runner.block_size, self.config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.kv_manager,
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            eos_token_ids=self.eos_token_ids,
+            long_prefill_token_threshold=self.config.long_prefill_token_threshold,
+            enable_prefix_caching=self.config.enable_prefix_caching,
+            tiering=kv_tiering,
+        )
+        self._requests: dict[str, _Request] = {}
+        self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
+        self._num_steps = 0
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        model_dir: str,
+        *,
+        dtype: str = "auto",
+        device: str = "cpu",
+        kv_cache_bytes: int = 256 * 1024 * 1024,
+        config: EngineConfig | None = None,
+        kv_tiers: SequenceABC[str] = (),
+        kv_key_prefix: str = "llmq",
+        kv_reuse_filter: bool = False,
+        tensor_parallel_size: int = 1,
+        device_indices: list[int] | None = None,
+        tp_timeout_seconds: float = 120.0,
+    ) -> Engine:
+        """Load a Hugging Face checkpoint directory and build its runner and engine.
+
+        `kv_tiers`: ordered KV tier URLs (`Settings.kv_tiers`, docs/kv-tiers.md) under the
+        Redis key prefix `kv_key_prefix`; `kv_reuse_filter` stores a block to the tiers
+        only once two sequences ended holding it.
+
+        `tensor_parallel_size > 1` splits the model over that many devices of kind
+        `device` (`device_indices`, default 0..tp-1; logical ranks on CPU), with one
+        spawned rank process per extra device (docs/device-groups.md); `kv_cache_bytes`
+        is then per device. `close()` stops the rank processes.
+        """
+        # NOTE: torch and the model code load here, not at import (plain-data users of
+        # this module stay light).
+        from workers.engine.loader import load_checkpoint
+        from workers.engine.model_runner import ModelRunner
+
+        config = config or EngineConfig()
+        runner: Any
+        if tensor_parallel_size > 1:
+            from workers.engine.parallel import make_tp_runner
+
+            runner = make_tp_runner(
+                model_dir, device=device, tp_size=tensor_parallel_size,
+                device_indices=device_indices, dtype=dtype, block_size=config.block_size,
+                kv_cache_bytes=kv_cache_bytes,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs, timeout_seconds=tp_timeout_seconds,
+            )
+            try:
+                return cls._with_runner(runner, runner.loaded, config, kv_tiers,
+                                        kv_key_prefix, kv_reuse_filter, tensor_parallel_size)
+            except BaseException:
+                runner.shutdown()  # no rank process outlives a failed build
+                raise
+        checkpoint = load_checkpoint(model_dir, dtype=dtype, device=device)
+        runner = ModelRunner(
+            checkpoint,
+            block_size=config.block_size,
+            kv_cache_bytes=kv_cache_bytes,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+        )
+        return cls._with_runner(runner, checkpoint, config, kv_tiers, kv_key_prefix,
+                                kv_reuse_filter, tensor_parallel_size)
+
+    @classmethod
+    def _with_runner(cls, runner: Any, checkpoint: Any, config: EngineConfig,
+                     kv_tiers: SequenceABC[str], kv_key_prefix: str, kv_reuse_filter: bool,
+                     tensor_parallel_size: int) -> Engine:
+        """The engine around a built runner: context length, KV tiers."""
+        max_model_len = checkpoint.max_model_len
+        if config.max_model_len is not None:
+            if config.max_model_len > checkpoint.max_model_len:
+                raise ValueError(
+                    f"max_model_len {config.max_model_len} exceeds the model's context "
+                    f"length {checkpoint.max_model_len}; lower max_model_len"
+                )
+            max_model_len = config.max_model_len
+        tiering = None
+        if kv_tiers:
+            from workers.engine.kv_tiering import KVTiering
+
+            # NOTE: a TP group's blob is its ranks' slabs concatenated (the runner gathers
+            # and scatters them), keyed by the whole TP layout (tp_size, rank 0)
+            tiering = KVTiering.from_urls(kv_tiers, kv_key_prefix, runner,
+                                          checkpoint.fingerprint, reuse_filter=kv_reuse_filter,
+                                          tp_size=tensor_parallel_size)
+        return cls(
+            runner, checkpoint.tokenizer, list(checkpoint.eos_token_ids), max_model_len, config,
+            kv_tiering=tiering,
+        )
+
+    def close(self, timeout: float | None = 10.0) -> None:
+        """Release what outlives a step: write queued KV blocks to the tiers and close them;
+        stop a tensor-parallel runner's rank processes."""
+        if self.kv_tiering is not None:
+            self.kv_tiering.close(timeout)
+        shutdown = getattr(self.runner, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
+    # ---- sizes and load -------------------------------------------------------------
+
+    @property
+    def block_size(self) -> int:
+        return self.kv_manager.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_manager.num_blocks
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def can_admit(self, num_prompt_tokens: int) -> bool:
+        """Whether one more request of this prompt length would start running now."""
+        if self.num_running + self.num_waiting >= self.config.max_num_seqs:
+            return False
+        needed = sum(
+            self._num_blocks_for(seq.num_tokens + 1) for seq in self.scheduler.waiting
+        ) + self._num_blocks_for(num_prompt_tokens + 1)
+        return needed <= self.kv_manager.num_free_blocks
+
+    def _num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=self.num_running,
+            num_waiting=self.num_waiting,
+            kv_cache_usage=self.kv_manager.usage,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=self.scheduler.prefix_queries_tokens,
+            prefix_cache_hits=self.scheduler.prefix_hits_tokens,
+            prompt_tokens_total=self._prompt_tokens_total,
+            generation_tokens_total=self._generation_tokens_total,
+            num_steps=self._num_steps,
+        )
+
+    # ---- requests -------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        priority: int = 0,
+    ) -> int:
+        """Queue a request; returns its number of prompt tokens.
+
+        Raises PromptTooLongError when prompt + max_tokens exceeds max_model_len, and
+        ValueError for an empty prompt, bad token ids, a request the KV cache can never
+        hold, or a request id already in use.
+        """
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use; use a unique id")
+        params.validate()
+        prompt_token_ids = self.tokenize(prompt)
+        num_prompt = len(prompt_token_ids)
+        if num_prompt + params.max_tokens > self.max_model_len:
+            raise PromptTooLongError(num_prompt, params.max_tokens, self.max_model_len)
+        needed_blocks = self._num_blocks_for(num_prompt + params.max_tokens)
+        if needed_blocks > self.num_blocks:
+            raise ValueError(
+                f"request needs up to {needed_blocks} KV blocks ({num_prompt} prompt tokens + "
+                f"max_tokens {params.max_tokens}) but the cache has {self.num_blocks}; "
+                "lower max_tokens or give the KV cache more memory (kv_cache_bytes)"
+            )
+        arrival = next(self._arrivals)
+        sample_params = [_params_for_sample(params, index) for index in range(params.n)]
+        seqs = [
+            Sequence(
+                seq_id=next(self._seq_ids),
+                request_id=request_id,
+                index=index,
+                prompt_token_ids=prompt_token_ids,
+                params=sample_params[index],
+                priority=priority,
+                arrival=arrival,
+                detokenizer=IncrementalDetokenizer(
+                    self.tokenizer, prompt_token_ids, params.stop, skip_special_tokens=True
+                ),
+            )
+            for index in range(params.n)
+        ]
+        self._requests[request_id] = _Request(request_id, prompt_token_ids, params, seqs)
+        self.scheduler.add_seqs(seqs)
+        self._prompt_tokens_total += num_prompt
+        logger.debug("request %s: %d prompt tokens, n=%d", request_id, num_prompt, params.n)
+        return num_prompt
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """Prompt token ids: a string is encoded, a token-id list checked and copied."""
+        if isinstance(prompt, str):
+            token_ids = list(self.tokenizer.encode(prompt))
+        else:
+            token_ids = list(prompt)
+            vocab_size = getattr(self.runner, "vocab_size", None)
+            for token_id in token_ids:
+                if not isinstance(token_id, int) or token_id < 0:
+                    raise ValueError(f"prompt token ids must be ints >= 0, got {token_id!r}")
+                if vocab_size is not None and token_id >= vocab_size:
+                    raise ValueError(
+                        f"prompt token id {token_id} is outside the vocabulary (size {vocab_size})"
+                    )
+        if not token_ids:
+            raise ValueError("prompt is empty: give at least one token")
+        return token_ids
+
+    def abort_request(self, request_id: str) -> list[CompletionDelta]:
+        """Stop a request; one CANCELLED delta per unfinished sample ([] if unknown)."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return []
+        unfinished = [seq for seq in request.seqs if not seq.is_finished]
+        self.scheduler.finish_seqs(unfinished, SequenceStatus.FINISHED_ABORTED)
+        logger.debug("request %s aborted", request_id)
+        return [self._delta(seq, [], "", None) for seq in unfinished]
+
+    # ---- one step -------------------------------------------------------------------
+
+    def step(self) -> list[CompletionDelta]:
+        """Run one batched model step; one delta per sample that produced tokens or ended."""
+        if not self.scheduler.has_unfinished_seqs():
+            return []
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.scheduled:
+            runner_output = self.runner.execute(scheduler_output)
+        else:
+            runner_output = ModelRunnerOutput(seq_ids=[], sampled_token_ids=[], logprobs=[])
+        sampled = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self._num_steps += 1
+        self._generation_tokens_total += len(sampled)
+        deltas = [self._process_token(seq) for seq in sampled]
+        for seq in sampled:
+            if seq.is_finished:
+                self._retire_if_done(seq.request_id)
+        return deltas
+
+    def _process_token(self, seq: Sequence) -> CompletionDelta:
+        token_id = seq.output_token_ids[-1]
+        detokenizer = seq.detokenizer
+        assert detokenizer is not None
+        text = ""
+        # NOTE: a token that ended the sequence by rule (EOS, stop token id) stays in the
+        # token ids but not in the text.
+        stopped_by_token = seq.status == SequenceStatus.FINISHED_STOPPED
+        if not stopped_by_token:
+            text, matched_stop = detokenizer.add_tokens([token_id])
+            if matched_stop is not None:
+                seq.stop_reason = matched_stop
+                if seq.is_finished:  # also hit a length limit: the stop string wins
+                    seq.status = SequenceStatus.FINISHED_STOPPED
+                else:
+                    self.scheduler.finish_seqs([seq], SequenceStatus.FINISHED_STOPPED)
+                return self._delta(seq, [token_id], text, seq.output_logprobs[-1])
+        if seq.is_finished:
+            text += detokenizer.flush()
+        return self._delta(seq, [token_id], text, seq.output_logprobs[-1])
+
+    def _delta(
+        self, seq: Sequence, new_token_ids: list[int], text: str, logprobs: Any
+    ) -> CompletionDelta:
+        return CompletionDelta(
+            request_id=seq.request_id,
+            index=seq.index,
+            new_token_ids=new_token_ids,
+            text=text,
+            logprobs=[logprobs] if seq.params.logprobs is not None and logprobs else None,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            stop_reason=seq.stop_reason,
+        )
+
+    def _retire_if_done(self, request_id: str) -> None:
+        request = self._requests.get(request_id)
+        if request is not None and all(seq.is_finished for seq in request.seqs):
+            del self._requests[request_id]
+            logger.debug("request %s finished", request_id)
+
+
+def _params_for_sample(params: SamplingParams, index: int) -> SamplingParams:
+    """Sample `index`'s params: samples 1.. of a seeded request get seeds of their own.
+
+    The sampler draws a seeded sequence's numbers from (seed, output position) only, so
+    samples sharing a seed would all be equal. Sample 0 keeps the request's seed: a seeded
+    n=1 request and sample 0 of the same request with n>1 agree.
+    """
+    if index == 0 or params.seed is None:
+        return params
+    seed = (params.seed + index * 0x9E3779B97F4A7C15) % (1 << 63)
+    return replace(params, seed=seed)

@@ -1,0 +1,194 @@
+"""`ModelRunner`: owns the device, the model and the paged KV cache, and turns each
+`SchedulerOutput` into ONE forward pass over all scheduled tokens.
+
+Prompt chunks and decodes run together, flattened in scheduled order. Logits are computed
+only for the last token of each sequence that samples this step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from kernels.attention import build_attention_metadata
+from workers.engine.loader import LoadedCheckpoint
+from workers.engine.step_io import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    """Runs one model on one device with a KV cache carved from a byte budget.
+
+    The cache is ONE tensor `[num_blocks, 2, num_layers, block_size, num_kv_heads,
+    head_dim]`: block-major, so a block's K and V of every layer is one contiguous slab
+    that the KV tier moves as one blob (`read_blocks` / `write_blocks`).
+    """
+
+    def __init__(
+        self,
+        loaded: LoadedCheckpoint,
+        block_size: int = 16,
+        kv_cache_bytes: int = 256 << 20,
+        max_num_batched_tokens: int = 8192,
+        max_num_seqs: int = 256,
+    ) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        config = loaded.config
+        self.device = next(self.model.parameters()).device
+        self.dtype = config.dtype
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        # NOTE: a TP rank holds its shard of the KV heads; every rank has the same number
+        # of blocks (same budget, same shard size), so block ids mean the same everywhere.
+        num_kv_heads = config.num_kv_heads // loaded.tp_size
+        self._block_shape = (2, config.num_layers, block_size, num_kv_heads, config.head_dim)
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        self._bytes_per_block = elem * 2 * config.num_layers * block_size * (
+            num_kv_heads * config.head_dim)
+        num_blocks = kv_cache_bytes // self._bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_bytes={kv_cache_bytes} holds no KV block of "
+                f"{self._bytes_per_block} bytes; raise the KV cache budget"
+            )
+        self.kv_cache = torch.zeros((num_blocks, *self._block_shape), dtype=self.dtype,
+                                    device=self.device)
+        self._sample: Callable | None = None
+        from kernels import dispatch
+
+        dispatch.log_choices(self.device.type)
+        logger.info("KV cache: %d blocks of %d tokens (%d bytes each) on %s", num_blocks,
+                    block_size, self._bytes_per_block, self.device)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache.shape[0]
+
+    @property
+    def block_size(self) -> int:
+        return self._block_shape[2]
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """[2, num_layers, block_size, num_kv_heads (of this rank), head_dim]"""
+        return self._block_shape
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self._bytes_per_block
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run the step and sample one token for each sequence with `sample=True`."""
+        with torch.inference_mode():
+            logits, seqs = self._step_logits(out)
+            if logits is None:
+                return ModelRunnerOutput(seq_ids=[], sampled_token_ids=[], logprobs=[])
+            if self._sample is None:
+                from workers.engine.sampler import sample
+
+                self._sample = sample
+            token_ids, logprobs = self._sample(logits, seqs,
+                                               eos_token_ids=self.loaded.eos_token_ids)
+        return ModelRunnerOutput(seq_ids=[s.seq_id for s in seqs],
+                                 sampled_token_ids=token_ids, logprobs=logprobs)
+
+    def execute_shard(self, out: SchedulerOutput) -> None:
+        """A non-driver TP rank's part of `execute`: the same forward and logits
+        collectives, no sampling (rank 0 samples from the gathered logits)."""
+        with torch.inference_mode():
+            self._step_logits(out)
+
+    def forward_logits(self, out: SchedulerOutput) -> torch.Tensor:
+        """float32 logits [num_batched_tokens, vocab] of every scheduled token (for tests)."""
+        with torch.inference_mode():
+            return self.model.compute_logits(self._forward(out))
+
+    def read_blocks(self, block_ids: list[int]) -> list[bytes]:
+        """The raw bytes of each block's slab (K and V of every layer), in order."""
+        if not block_ids:
+            return []
+        with torch.inference_mode():
+            slabs = self.kv_cache[torch.tensor(block_ids, device=self.device)].cpu()
+        raw = slabs.view(len(block_ids), -1).view(torch.uint8)
+        return [row.numpy().tobytes() for row in raw]
+
+    def write_blocks(self, items: list[tuple[int, bytes]]) -> None:
+        """Fill blocks from blobs that `read_blocks` produced (same model, dtype, block size)."""
+        if not items:
+            return
+        for block_id, blob in items:
+            if len(blob) != self._bytes_per_block:
+                raise ValueError(
+                    f"KV blob for block {block_id} has {len(blob)} bytes, expected "
+                    f"{self._bytes_per_block}: it was written for another model, dtype or "
+                    f"block size"
+                )
+            if not 0 <= block_id < self.num_blocks:
+                raise ValueError(f"block id {block_id} outside 0..{self.num_blocks - 1}")
+        buf = bytearray(b"".join(blob for _, blob in items))
+        slabs = torch.frombuffer(buf, dtype=torch.uint8).view(self.dtype)
+        slabs = slabs.view(len(items), *self._block_shape).to(self.device)
+        ids = torch.tensor([block_id for block_id, _ in items], device=self.device)
+        with torch.inference_mode():
+            self.kv_cache[ids] = slabs
+
+    # -- one step -----------------------------------------------------------------------
+
+    def _forward(self, out: SchedulerOutput) -> torch.Tensor:
+        if len(out.scheduled) > self.max_num_seqs:
+            raise ValueError(f"{len(out.scheduled)} sequences exceed max_num_seqs="
+                             f"{self.max_num_seqs}")
+        if out.num_batched_tokens > self.max_num_batched_tokens:
+            raise ValueError(f"{out.num_batched_tokens} tokens exceed max_num_batched_tokens="
+                             f"{self.max_num_batched_tokens}")
+        self.write_blocks(out.blocks_to_load)
+        input_ids, positions, meta = self._prepare(out.scheduled)
+        return self.model(input_ids, positions, meta)
+
+    def _step_logits(
+        self, out: SchedulerOutput
+    ) -> tuple[torch.Tensor | None, list[ScheduledSequence]]:
+        """float32 logits [num_sampling_seqs, vocab] of the step (None if none samples)."""
+        hidden = self._forward(out)
+        rows, seqs = self._sample_rows(out)
+        if not seqs:
+            return None, seqs
+        return self.model.compute_logits(hidden[rows]), seqs
+
+    def _prepare(self, scheduled: list[ScheduledSequence]):
+        """Flatten the step into input_ids, positions [num_tokens] and attention metadata."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        spans: list[tuple[int, int, list[int]]] = []
+        for seq in scheduled:
+            n, start = len(seq.token_ids), seq.start_pos
+            num_blocks = -(-(start + n) // bs)
+            if n == 0 or len(seq.block_table) < num_blocks:
+                raise ValueError(
+                    f"sequence {seq.seq_id}: {n} tokens from position {start} need "
+                    f"{num_blocks} blocks, block_table has {len(seq.block_table)}"
+                )
+            input_ids.extend(seq.token_ids)
+            positions.extend(range(start, start + n))
+            spans.append((start, n, seq.block_table))
+        meta = build_attention_metadata(self.kv_cache, spans)
+        dev = self.device
+        return (torch.tensor(input_ids, dtype=torch.int64, device=dev),
+                torch.tensor(positions, dtype=torch.int64, device=dev), meta)
+
+    @staticmethod
+    def _sample_rows(out: SchedulerOutput) -> tuple[list[int], list[ScheduledSequence]]:
+        rows: list[int] = []
+        seqs: list[ScheduledSequence] = []
+        row = 0
+        for seq in out.scheduled:
+            row += len(seq.token_ids)
+            if seq.sample:
+                rows.append(row - 1)
+                seqs.append(seq)
+        return rows, seqs

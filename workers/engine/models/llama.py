@@ -1,0 +1,181 @@
+"""Llama decoder (also the body of Qwen2 and Qwen3, which differ in small options).
+
+Reads like the Hugging Face reference; the only paged-cache detail is that attention
+hands its new K/V and the step's `AttentionMetadata` to the kernels.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+import kernels
+from kernels.attention import AttentionMetadata
+from kernels.rotary import rope_cos_sin_cache, rope_inv_freq
+from workers.engine.models.config import ModelConfig
+from workers.engine.models.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    default_weight_loader,
+)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return kernels.rms_norm(x, self.weight, self.eps)
+        return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin of every position up to max_position_embeddings, looked up per token."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+        cache = rope_cos_sin_cache(inv_freq, config.max_position_embeddings)
+        self.register_buffer("cos_sin", cache, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype):
+        cos, sin = self.cos_sin[positions].to(dtype).chunk(2, dim=-1)
+        return cos, sin
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, tp_size: int = 1,
+                 tp_rank: int = 0) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_heads // tp_size
+        self.num_kv_heads = config.num_kv_heads // tp_size
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads,
+            bias=config.attention_bias, tp_size=tp_size, tp_rank=tp_rank,
+        )
+        self.o_proj = RowParallelLinear(
+            config.num_heads * config.head_dim, config.hidden_size,
+            bias=False, tp_size=tp_size, tp_rank=tp_rank,
+        )
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], -1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = kernels.apply_rotary(q, k, cos, sin)
+        k_cache = meta.kv_cache[:, 0, self.layer_idx]
+        v_cache = meta.kv_cache[:, 1, self.layer_idx]
+        kernels.store_kv(k, v, k_cache, v_cache, meta.slot_blocks, meta.slot_offsets)
+        o = kernels.paged_attention(q, k, v, k_cache, v_cache, meta)
+        return self.o_proj(o)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, tp_size: int = 1, tp_rank: int = 0) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [size, size], bias=config.mlp_bias,
+            tp_size=tp_size, tp_rank=tp_rank,
+        )
+        self.down_proj = RowParallelLinear(
+            size, config.hidden_size, bias=config.mlp_bias, tp_size=tp_size, tp_rank=tp_rank
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, tp_size: int = 1,
+                 tp_rank: int = 0) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx, tp_size, tp_rank)
+        self.mlp = LlamaMLP(config, tp_size, tp_rank)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden, residual, cos, sin, meta):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, tp_size: int = 1, tp_rank: int = 0) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, tp_size, tp_rank
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, tp_size, tp_rank) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, hidden.dtype)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, cos, sin, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint projection name -> (our merged parameter, shard id)
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, str | int]]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: ModelConfig, tp_size: int = 1, tp_rank: int = 0) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, tp_size, tp_rank)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_size, tp_rank)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [num_tokens] -> hidden states [num_tokens, hidden_size]."""
+        return self.model(input_ids, positions, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, hidden_size] -> float32 logits [n, vocab_size]."""
+        return self.lm_head.compute_logits(hidden).float()

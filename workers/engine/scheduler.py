@@ -1,0 +1,345 @@
+"""`Scheduler`: who computes how many tokens each step (policy only).
+
+There are no prefill and decode phases. Each step every scheduled sequence computes a
+chunk of its not-yet-computed tokens, so its `num_computed_tokens` catches up to
+`num_tokens`; a long prompt spans several steps (chunked prefill). The KV blocks are the
+`KVCacheManager`'s business: the scheduler asks for slots and, when the answer is None,
+preempts by recompute.
+
+Order: running sequences first, then waiting ones. Both queues are kept sorted by
+`Sequence.sort_key` — priority (lower first), then preempted-before-fresh, then arrival —
+so the running sequence to preempt is always the last one, and a preempted sequence goes
+back to the front of the waiting sequences of its priority (the very front when every
+request has the same priority).
+
+Samples of one request (`n > 1`): sample 0 runs alone until its whole prompt is computed;
+then the other samples join the waiting queue and take the prompt's full blocks from the
+prefix cache (each recomputes only the partial last block). Without prefix caching they
+compute the prompt themselves, which is correct, only slower.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from kvcache.kv_cache_manager import KVCacheManager
+from workers.engine.sequence import Sequence, SequenceStatus
+from workers.engine.step_io import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
+
+if TYPE_CHECKING:
+    from workers.engine.kv_tiering import KVTiering
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_manager: KVCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: Iterable[int] = (),
+        long_prefill_token_threshold: int = 0,
+        enable_prefix_caching: bool = True,
+        tiering: KVTiering | None = None,
+    ) -> None:
+        self.kv_manager = kv_manager
+        # KV tiers below the device (workers/engine/kv_tiering.py): prefix lookups on admission,
+        # offload of ended sequences' blocks; None without tiers
+        self.tiering = tiering if enable_prefix_caching else None
+        self.block_size = kv_manager.block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.enable_prefix_caching = enable_prefix_caching
+        # NOTE: both kept sorted by Sequence.sort_key (see the module docstring)
+        self.running: list[Sequence] = []
+        self.waiting: list[Sequence] = []
+        # sample-0 seq_id -> the request's other samples, held until its prompt is computed
+        self.deferred: dict[int, list[Sequence]] = {}
+        self.seqs: dict[int, Sequence] = {}  # every unfinished sequence by seq_id
+        self.num_preemptions = 0
+        # prompt tokens looked up / found in the prefix cache, counted once per sequence
+        self.prefix_queries_tokens = 0
+        self.prefix_hits_tokens = 0
+
+    # ---- queues -------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.seqs) - len(self.running)
+
+    def has_unfinished_seqs(self) -> bool:
+        return bool(self.seqs)
+
+    def add_seqs(self, seqs: list[Sequence]) -> None:
+        """Queue the samples of one request (sample 0 first)."""
+        for seq in seqs:
+            if seq.seq_id in self.seqs:
+                raise ValueError(f"sequence {seq.seq_id} is already scheduled")
+            self.seqs[seq.seq_id] = seq
+        head, rest = seqs[0], seqs[1:]
+        self._enqueue_waiting(head)
+        if rest:
+            self.deferred[head.seq_id] = rest
+
+    def finish_seqs(self, seqs: Iterable[Sequence], status: SequenceStatus) -> None:
+        """End sequences (finished or aborted): release their blocks and forget them."""
+        for seq in seqs:
+            if seq.is_finished:
+                continue
+            if seq.status == SequenceStatus.RUNNING:
+                self.running.remove(seq)
+            elif seq in self.waiting:
+                self.waiting.remove(seq)
+            seq.status = status
+            self.seqs.pop(seq.seq_id, None)
+            if self.tiering is not None:
+                self.tiering.offload_blocks(
+                    seq.seq_id, self.kv_manager.get_unshared_full_blocks(seq.seq_id))
+            self.kv_manager.free(seq.seq_id)
+            seq.block_table = []
+            # samples still held for this one's prompt start on their own now
+            for sibling in self.deferred.pop(seq.seq_id, []):
+                if not sibling.is_finished:
+                    self._enqueue_waiting(sibling)
+            for held in self.deferred.values():
+                if seq in held:
+                    held.remove(seq)
+
+    def _enqueue_waiting(self, seq: Sequence) -> None:
+        bisect.insort(self.waiting, seq, key=_sort_key)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute policy: drop the KV, keep the tokens, wait at the front again."""
+        self.running.remove(seq)
+        self.kv_manager.free(seq.seq_id)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.PREEMPTED
+        self._enqueue_waiting(seq)
+        self.num_preemptions += 1
+        logger.debug("preempted seq %d of request %s", seq.seq_id, seq.request_id)
+
+    # ---- one step -----------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick each sequence's chunk for this step and allocate KV slots for it.
+
+        Advances `num_computed_tokens` of every scheduled sequence by its chunk.
+        """
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSequence] = []
+        preempted: list[int] = []
+        blocks_to_load: list[tuple[int, bytes]] = []
+        bs = self.block_size
+        threshold = self.long_prefill_token_threshold
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            start = seq.num_computed_tokens
+            num_new = len(seq.token_ids) - start
+            if 0 < threshold < num_new:
+                num_new = threshold
+            num_new = min(num_new, budget)
+            end = start + num_new
+            block_table = seq.block_table
+            # Fast path (most decode steps): the table already covers the chunk and no
+            # block becomes full in it, so allocate_slots would change nothing.
+            if end > len(block_table) * bs or end // bs != start // bs:
+                while True:
+                    allocated = self.kv_manager.allocate_slots(
+                        seq.seq_id, seq.token_ids, start, num_new
+                    )
+                    if allocated is not None:
+                        break
+                    # NOTE: running is sorted, and the sequences before i are scheduled,
+                    # so the victim (the last one) is never already in this step's batch.
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    preempted.append(victim.seq_id)
+                    if victim is seq:
+                        break
+                if allocated is None:
+                    break  # seq itself was the last one left to preempt
+                seq.block_table = block_table = allocated
+            budget -= num_new
+            # NOTE: block_table is the manager's fresh list for this sequence, never
+            # mutated afterwards (the next allocation returns a new one): passed uncopied.
+            scheduled.append(self._take_chunk(seq, num_new, block_table))
+            i += 1
+
+        # blocks whose KV this step writes: a waiting sequence must not take them as cached
+        writing: set[int] = set()
+        if self.waiting and self.enable_prefix_caching:
+            for scheduled_seq in scheduled:
+                writing.update(self._blocks_written(scheduled_seq))
+        # NOTE: after a preemption, admitting waiting sequences would only churn the cache
+        while (
+            not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+        ):
+            seq = self.waiting[0]
+            computed_blocks: list[int] = []
+            num_cached = 0
+            if self.enable_prefix_caching:
+                computed_blocks, num_cached = self.kv_manager.get_computed_blocks(seq.token_ids)
+                computed_blocks = _until_written(computed_blocks, writing)
+                num_cached = min(num_cached, len(computed_blocks) * self.block_size)
+            loaded: list[bytes] = []
+            if self.tiering is not None:
+                # the tiers continue the device hit, into fresh blocks the free ones can hold
+                num_device = len(computed_blocks)
+                max_blocks = min((seq.num_tokens - 1) // bs,
+                                 num_device + self.kv_manager.num_free_blocks - 1)
+                loaded = self.tiering.find_prefix(seq.seq_id, seq.token_ids, num_device,
+                                                  max_blocks)
+            allocated = None
+            if loaded:
+                num_new = self._chunk_size(seq, num_cached + len(loaded) * bs, budget)
+                allocated = self.kv_manager.allocate_slots(
+                    seq.seq_id, seq.token_ids, num_cached + len(loaded) * bs, num_new,
+                    computed_block_ids=computed_blocks,
+                )
+                if allocated is None:
+                    loaded = []  # no room to load them: compute instead, if that fits
+                else:
+                    num_cached += len(loaded) * bs
+            if allocated is None:
+                num_new = self._chunk_size(seq, num_cached, budget)
+                allocated = self.kv_manager.allocate_slots(
+                    seq.seq_id, seq.token_ids, num_cached, num_new,
+                    computed_block_ids=computed_blocks
+                )
+            if allocated is None:
+                break  # no room: waiting sequences never preempt running ones
+            if self.tiering is not None:
+                first = len(computed_blocks)
+                blocks_to_load.extend(zip(allocated[first:first + len(loaded)], loaded))
+                self.tiering.admitted(seq.seq_id, first, len(loaded))
+            self.waiting.pop(0)
+            seq.block_table = allocated
+            if not seq.admitted:
+                seq.num_cached_tokens = min(num_cached, seq.num_prompt_tokens)
+                seq.admitted = True
+                self.prefix_queries_tokens += seq.num_prompt_tokens
+                self.prefix_hits_tokens += seq.num_cached_tokens
+            seq.num_computed_tokens = num_cached
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=_sort_key)
+            budget -= num_new
+            scheduled.append(self._schedule_chunk(seq, num_new, allocated, writing))
+
+        return SchedulerOutput(
+            scheduled=scheduled,
+            num_batched_tokens=self.max_num_batched_tokens - budget,
+            preempted_seq_ids=preempted,
+            blocks_to_load=blocks_to_load,
+        )
+
+    def _chunk_size(self, seq: Sequence, num_computed: int, budget: int) -> int:
+        num_new = seq.num_tokens - num_computed
+        if self.long_prefill_token_threshold > 0:
+            num_new = min(num_new, self.long_prefill_token_threshold)
+        return min(num_new, budget)
+
+    def _schedule_chunk(
+        self, seq: Sequence, num_new: int, block_table: list[int], writing: set[int]
+    ) -> ScheduledSequence:
+        scheduled = self._take_chunk(seq, num_new, block_table)
+        writing.update(self._blocks_written(scheduled))
+        return scheduled
+
+    @staticmethod
+    def _take_chunk(seq: Sequence, num_new: int, block_table: list[int]) -> ScheduledSequence:
+        """The next `num_new` tokens of `seq` as this step's chunk; marks them computed."""
+        start = seq.num_computed_tokens
+        end = start + num_new
+        seq.num_computed_tokens = end
+        return ScheduledSequence(
+            seq.seq_id,
+            seq.token_ids[start:end],
+            start,
+            block_table,
+            end == len(seq.token_ids),
+            seq.params,
+            seq.prompt_token_ids,
+            seq.output_token_ids,
+        )
+
+    def _blocks_written(self, scheduled: ScheduledSequence) -> list[int]:
+        start = scheduled.start_pos
+        end = start + len(scheduled.token_ids)
+        return scheduled.block_table[start // self.block_size : (end - 1) // self.block_size + 1]
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[Sequence]:
+        """Append the sampled tokens and finish sequences on token rules.
+
+        Returns the sequences that sampled a token this step, in scheduled order; those
+        that finished are already out of every queue with their blocks released. Stop
+        strings are the engine's (they need the text) and end a sequence via `finish_seqs`.
+        """
+        sampled: list[Sequence] = []
+        seqs = self.seqs
+        running = SequenceStatus.RUNNING
+        for seq_id, token_id, logprobs in zip(
+            runner_output.seq_ids, runner_output.sampled_token_ids, runner_output.logprobs
+        ):
+            seq = seqs.get(seq_id)
+            if seq is None or seq.status != running:
+                continue  # finished or aborted since it was scheduled
+            seq.output_token_ids.append(token_id)
+            seq.token_ids.append(token_id)
+            seq.output_logprobs.append(logprobs)
+            sampled.append(seq)
+            status = self._check_stop(seq, token_id)
+            if status is not None:
+                self.finish_seqs([seq], status)
+        if self.deferred:
+            # other samples may start once sample 0's prompt blocks are computed and cached
+            for head_id in [h for h in self.deferred if self._prompt_done(h)]:
+                for sibling in self.deferred.pop(head_id):
+                    self._enqueue_waiting(sibling)
+        return sampled
+
+    def _prompt_done(self, head_id: int) -> bool:
+        head = self.seqs.get(head_id)
+        return head is None or head.num_computed_tokens >= head.num_prompt_tokens
+
+    def _check_stop(self, seq: Sequence, token_id: int) -> SequenceStatus | None:
+        params = seq.params
+        num_output = len(seq.output_token_ids)
+        if num_output >= params.min_tokens:
+            if token_id in self.eos_token_ids and not params.ignore_eos:
+                return SequenceStatus.FINISHED_STOPPED
+            if params.stop_token_ids and token_id in params.stop_token_ids:
+                seq.stop_reason = token_id
+                return SequenceStatus.FINISHED_STOPPED
+        if num_output >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+
+def _sort_key(seq: Sequence) -> tuple[int, int, int]:
+    return seq.sort_key
+
+
+def _until_written(block_ids: list[int], writing: set[int]) -> list[int]:
+    """The cached prefix up to the first block another sequence writes this step."""
+    for i, block_id in enumerate(block_ids):
+        if block_id in writing:
+            return block_ids[:i]
+    return block_ids
