@@ -101,9 +101,10 @@ def make_workload(num_requests: int, vocab_size: int, seed: int = 0) -> Workload
 
 
 def run_engine(model_dir: Path, work: Workload, kv_cache_bytes: int) -> tuple[float, list]:
-    from workers.engine.core import Engine, EngineConfig
+    from workers.engine.builder import build_engine
+    from workers.engine.config import EngineConfig
 
-    engine = Engine.from_checkpoint(
+    engine = build_engine(
         str(model_dir), dtype="float32", kv_cache_bytes=kv_cache_bytes, config=EngineConfig()
     )
     # warm up the kernels once, outside the timing

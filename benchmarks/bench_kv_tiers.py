@@ -36,7 +36,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tasks.params import SamplingParams
-from workers.engine.core import Engine, EngineConfig
+from workers.engine.builder import build_engine
+from workers.engine.config import EngineConfig
 
 BLOCK_SIZE = 16
 
@@ -67,13 +68,13 @@ def run_mode(mode: str, model_dir: str, tiers: list[str], requests: list[list[in
              args: argparse.Namespace) -> tuple[RunResult, list[list[int]]]:
     config = EngineConfig(block_size=BLOCK_SIZE, max_num_seqs=args.concurrency,
                           max_num_batched_tokens=2048)
-    probe = Engine.from_checkpoint(model_dir, dtype="float32", kv_cache_bytes=1 << 24,
+    probe = build_engine(model_dir, dtype="float32", kv_cache_bytes=1 << 24,
                                    config=config)
     bytes_per_block = probe.runner.bytes_per_block
     del probe
     blocks_per_request = -(-(args.prefix_len + args.suffix_len + args.output_len) // BLOCK_SIZE)
     kv_cache_bytes = args.device_prefixes * blocks_per_request * bytes_per_block
-    engine = Engine.from_checkpoint(model_dir, dtype="float32", kv_cache_bytes=kv_cache_bytes,
+    engine = build_engine(model_dir, dtype="float32", kv_cache_bytes=kv_cache_bytes,
                                     config=config, kv_tiers=tiers,
                                     kv_key_prefix=f"bench{os.getpid()}")
     loaded: dict[int, int] = {}  # seq_id -> blocks loaded from a tier

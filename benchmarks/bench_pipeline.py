@@ -4,7 +4,7 @@
 
 In one run, on one random checkpoint (written with `workers.engine.make_model`):
 
-1. offline: the engine alone (`Engine.from_checkpoint`, same config as the worker) runs
+1. offline: the engine alone (`build_engine`, same config as the worker) runs
    the workload, every request added at once: output tokens/s;
 2. pipeline: gunicorn serving the API (gthread), one device-group worker process, real
    Postgres and Redis; `--num-jobs` clients each POST a job and read its SSE stream to
@@ -86,12 +86,13 @@ def load_offline_engine(model_dir: str, args: argparse.Namespace, settings: Sett
     import torch
 
     from tasks.params import SamplingParams
-    from workers.engine.core import Engine, EngineConfig
+    from workers.engine.builder import build_engine
+    from workers.engine.config import EngineConfig
 
     torch.set_num_threads(args.threads)
     config = EngineConfig(block_size=settings.block_size, max_num_seqs=settings.max_num_seqs,
                           max_num_batched_tokens=settings.max_num_batched_tokens)
-    engine = Engine.from_checkpoint(model_dir, kv_cache_bytes=settings.kv_cache_bytes,
+    engine = build_engine(model_dir, kv_cache_bytes=settings.kv_cache_bytes,
                                     config=config)
     engine.add_request("warmup", "warm up", SamplingParams(max_tokens=4, temperature=0.0))
     while engine.has_unfinished_requests():

@@ -26,10 +26,11 @@ GREEDY = {"temperature": 0.0}
 
 @pytest.fixture(scope="module")
 def tiny_engine(tiny_qwen3_dir):
-    from workers.engine.core import Engine, EngineConfig
+    from workers.engine.builder import build_engine
+    from workers.engine.config import EngineConfig
 
     config = EngineConfig(block_size=16, max_num_seqs=8, max_num_batched_tokens=512)
-    return Engine.from_checkpoint(str(tiny_qwen3_dir), kv_cache_bytes=8 * 1024 * 1024,
+    return build_engine(str(tiny_qwen3_dir), kv_cache_bytes=8 * 1024 * 1024,
                                   config=config)
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tasks.params import SamplingParams
+from workers.engine.builder import build_engine
 from workers.engine.core import Engine, EngineConfig, PromptTooLongError
 from workers.engine.outputs import CompletionDelta, FinishReason
 
@@ -17,7 +18,7 @@ BYTES_PER_BLOCK = 2 * 2 * 16 * 2 * 4 * 16
 
 
 def make_engine(model_dir: Path, num_blocks: int = 256, **config: object) -> Engine:
-    return Engine.from_checkpoint(
+    return build_engine(
         str(model_dir),
         dtype="float32",
         kv_cache_bytes=num_blocks * BYTES_PER_BLOCK,

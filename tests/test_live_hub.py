@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tasks.streams import live_hub
 from tasks.protocol import EventType, JobEvent
+from tasks.streams import live_hub
 from tasks.streams.publish import EventPublisher
 from tasks.streams.reader import EventSubscriber, StreamEntry
 

@@ -86,7 +86,8 @@ class GroupRuntime:
         from workers.batcher import Batcher
         from workers.cancel_listener import CancelListener
         from workers.db_writer import DbWriter
-        from workers.engine.core import Engine, EngineConfig
+        from workers.engine.builder import build_engine
+        from workers.engine.config import EngineConfig
         from workers.heartbeat import GroupIdentity, Heartbeat
 
         s = self.settings
@@ -98,7 +99,7 @@ class GroupRuntime:
         started = time.monotonic()
         group = self.group or build_topology(s.device, None, 1).groups[0]
         tp = group.tp_size
-        self.engine = Engine.from_checkpoint(
+        self.engine = build_engine(
             self.model_dir, dtype=s.dtype,
             device=group.kind.value if tp > 1 else group.device_name(0),
             kv_cache_bytes=s.kv_cache_bytes, config=config, kv_tiers=s.kv_tiers,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -93,94 +92,6 @@ class Engine:
         self._num_steps = 0
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
-
-    @classmethod
-    def from_checkpoint(
-        cls,
-        model_dir: str,
-        *,
-        dtype: str = "auto",
-        device: str = "cpu",
-        kv_cache_bytes: int = 256 * 1024 * 1024,
-        config: EngineConfig | None = None,
-        kv_tiers: SequenceABC[str] = (),
-        kv_key_prefix: str = "llmq",
-        kv_reuse_filter: bool = False,
-        tensor_parallel_size: int = 1,
-        device_indices: list[int] | None = None,
-        tp_timeout_seconds: float = 120.0,
-    ) -> Engine:
-        """Load a Hugging Face checkpoint directory and build its runner and engine.
-
-        `kv_tiers`: ordered KV tier URLs (`Settings.kv_tiers`, docs/kv-tiers.md) under the
-        Redis key prefix `kv_key_prefix`; `kv_reuse_filter` stores a block to the tiers
-        only once two sequences ended holding it.
-
-        `tensor_parallel_size > 1` splits the model over that many devices of kind
-        `device` (`device_indices`, default 0..tp-1; logical ranks on CPU), with one
-        spawned rank process per extra device (docs/device-groups.md); `kv_cache_bytes`
-        is then per device. `close()` stops the rank processes.
-        """
-        # NOTE: torch and the model code load here, not at import (plain-data users of
-        # this module stay light).
-        from workers.engine.loader import load_checkpoint
-        from workers.engine.model_runner import ModelRunner
-
-        config = config or EngineConfig()
-        runner: Any
-        if tensor_parallel_size > 1:
-            from workers.engine.parallel import make_tp_runner
-
-            runner = make_tp_runner(
-                model_dir, device=device, tp_size=tensor_parallel_size,
-                device_indices=device_indices, dtype=dtype, block_size=config.block_size,
-                kv_cache_bytes=kv_cache_bytes,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_num_seqs=config.max_num_seqs, timeout_seconds=tp_timeout_seconds,
-            )
-            try:
-                return cls._with_runner(runner, runner.loaded, config, kv_tiers,
-                                        kv_key_prefix, kv_reuse_filter, tensor_parallel_size)
-            except BaseException:
-                runner.shutdown()  # no rank process outlives a failed build
-                raise
-        checkpoint = load_checkpoint(model_dir, dtype=dtype, device=device)
-        runner = ModelRunner(
-            checkpoint,
-            block_size=config.block_size,
-            kv_cache_bytes=kv_cache_bytes,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs,
-        )
-        return cls._with_runner(runner, checkpoint, config, kv_tiers, kv_key_prefix,
-                                kv_reuse_filter, tensor_parallel_size)
-
-    @classmethod
-    def _with_runner(cls, runner: Any, checkpoint: Any, config: EngineConfig,
-                     kv_tiers: SequenceABC[str], kv_key_prefix: str, kv_reuse_filter: bool,
-                     tensor_parallel_size: int) -> Engine:
-        """The engine around a built runner: context length, KV tiers."""
-        max_model_len = checkpoint.max_model_len
-        if config.max_model_len is not None:
-            if config.max_model_len > checkpoint.max_model_len:
-                raise ValueError(
-                    f"max_model_len {config.max_model_len} exceeds the model's context "
-                    f"length {checkpoint.max_model_len}; lower max_model_len"
-                )
-            max_model_len = config.max_model_len
-        tiering = None
-        if kv_tiers:
-            from workers.engine.kv_tiering import KVTiering
-
-            # NOTE: a TP group's blob is its ranks' slabs concatenated (the runner gathers
-            # and scatters them), keyed by the whole TP layout (tp_size, rank 0)
-            tiering = KVTiering.from_urls(kv_tiers, kv_key_prefix, runner,
-                                          checkpoint.fingerprint, reuse_filter=kv_reuse_filter,
-                                          tp_size=tensor_parallel_size)
-        return cls(
-            runner, checkpoint.tokenizer, list(checkpoint.eos_token_ids), max_model_len, config,
-            kv_tiering=tiering,
-        )
 
     def close(self, timeout: float | None = 10.0) -> None:
         """Release what outlives a step: write queued KV blocks to the tiers and close them;

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Self
 
 from tasks.params import SamplingParams
+from workers.engine.builder import build_engine
 from workers.engine.config import EngineConfig
-from workers.engine.core import Engine
 from workers.engine.outputs import FinishReason
 from workers.engine.step_io import TokenLogprobs
 
@@ -89,7 +89,7 @@ class LLM:
             long_prefill_token_threshold=long_prefill_token_threshold,
             enable_prefix_caching=enable_prefix_caching,
         )
-        self.engine = Engine.from_checkpoint(
+        self.engine = build_engine(
             model_dir, dtype=dtype, device=device, kv_cache_bytes=kv_cache_bytes, config=config,
             kv_tiers=kv_tiers or (), kv_key_prefix=kv_key_prefix,
             kv_reuse_filter=kv_reuse_filter, tensor_parallel_size=tensor_parallel_size,
