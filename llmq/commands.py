@@ -1,0 +1,124 @@
+"""The server-side commands of `llmq`: web, up, beat, db upgrade, keys, make-model.
+
+Each imports what it needs when it runs: `llmq --help` loads none of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+from typing import Any
+
+from tasks.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+
+def cmd_web(args: argparse.Namespace) -> int:
+    settings = Settings.from_env()
+    if args.dev:
+        from werkzeug.serving import run_simple
+
+        from webapp import create_app
+
+        run_simple(args.host, args.port, create_app(settings), threaded=True)
+        return 0
+    # NOTE: gthread, not gevent: gevent's monkey patching removes select.epoll, which the
+    # tokenizer loading path (huggingface_hub) needs; threads need no patching at all.
+    command = [sys.executable, "-m", "gunicorn", "webapp.wsgi:app",
+               "--bind", f"{args.host}:{args.port}", "--workers", str(args.workers),
+               "--worker-class", "gthread", "--threads", str(args.threads),
+               "--timeout", "120", "--graceful-timeout", "30", "--access-logfile", "-"]
+    logger.info("serving the API on %s:%d (%d processes x %d threads)", args.host, args.port,
+                args.workers, args.threads)
+    os.execv(sys.executable, command)  # gunicorn takes over this process and its signals
+    return 0  # not reached
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from llmq.up import run_up
+
+    return run_up(args)
+
+
+def cmd_beat(args: argparse.Namespace) -> int:
+    from tasks.celery_app import create_celery, maintenance_queue
+    from tasks.maintenance import register_maintenance_tasks
+
+    settings = Settings.from_env()
+    app = create_celery(settings, beat=True)
+    register_maintenance_tasks(app, settings)
+    app.worker_main([
+        "worker", "--beat", "--pool=threads", "--concurrency=2",
+        "-Q", maintenance_queue(settings), "-n", f"llmq-beat@{socket.gethostname()}",
+        "--without-gossip", "--without-mingle", "--loglevel", args.loglevel.upper(),
+        "--schedule", app.conf.beat_schedule_filename,
+    ])
+    return 0
+
+
+def cmd_db_upgrade(_args: argparse.Namespace) -> int:
+    from tasks.db import upgrade_database
+
+    upgrade_database(Settings.from_env().database_url)
+    print("database is at the newest schema")
+    return 0
+
+
+def _session_factory() -> Any:
+    from tasks.db import create_db_engine, make_sessionmaker
+
+    return make_sessionmaker(create_db_engine(Settings.from_env().database_url))
+
+
+def cmd_keys_create(args: argparse.Namespace) -> int:
+    from tasks.auth import create_api_key
+
+    key_id, key = create_api_key(_session_factory(), args.name)
+    print(f"created API key {key_id} ({args.name}); it is shown only this once:",
+          file=sys.stderr)
+    print(key)
+    return 0
+
+
+def cmd_keys_list(_args: argparse.Namespace) -> int:
+    from tasks.auth import list_api_keys
+
+    for row in list_api_keys(_session_factory()):
+        state = f"revoked {row.revoked_at:%Y-%m-%d %H:%M}" if row.revoked_at else "active"
+        print(f"{row.id}  {row.created_at:%Y-%m-%d %H:%M}  {state:<24} {row.name}")
+    return 0
+
+
+def cmd_keys_revoke(args: argparse.Namespace) -> int:
+    import uuid
+
+    from tasks.auth import revoke_api_key
+
+    try:
+        key_id = uuid.UUID(args.key_id)
+    except ValueError:
+        raise ValueError(f"{args.key_id!r} is not a key id (see `llmq keys list`)") from None
+    if not revoke_api_key(_session_factory(), key_id):
+        print(f"error: no active key {key_id}", file=sys.stderr)
+        return 1
+    print(f"revoked {key_id}")
+    return 0
+
+
+def cmd_make_model(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    if args.if_missing and (Path(args.out_dir) / "config.json").exists():
+        print(f"{args.out_dir} already holds a checkpoint; left as is", file=sys.stderr)
+        print(args.out_dir)
+        return 0
+    from workers.engine.make_model import make_model
+
+    path = make_model(args.out_dir, arch=args.arch, preset=args.preset, seed=args.seed,
+                      dtype=args.dtype)
+    print(path)
+    return 0
