@@ -14,7 +14,12 @@ from pathlib import Path
 
 from celery import Celery
 
-from tasks.protocol import EXPIRE_STREAMS_TASK, GENERATE_TASK, RECLAIM_TASK
+from tasks.protocol import (
+    EXPIRE_STREAMS_TASK,
+    GENERATE_TASK,
+    RECLAIM_TASK,
+    RESEND_QUEUED_TASK,
+)
 from tasks.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -64,6 +69,7 @@ def create_celery(settings: Settings, *, beat: bool = False) -> Celery:
         task_default_queue=maintenance_queue(settings),
         task_routes={
             RECLAIM_TASK: {"queue": maintenance_queue(settings)},
+            RESEND_QUEUED_TASK: {"queue": maintenance_queue(settings)},
             EXPIRE_STREAMS_TASK: {"queue": maintenance_queue(settings)},
         },
         worker_hijack_root_logger=False,
@@ -79,11 +85,17 @@ def create_celery(settings: Settings, *, beat: bool = False) -> Celery:
 
 
 def beat_schedule(settings: Settings) -> dict[str, dict[str, object]]:
-    """Reclaim about as often as workers renew leases; expire streams every minute."""
+    """Reclaim about as often as workers renew leases, look for stranded queued jobs a few
+    times per `queued_resend_seconds`, expire streams every minute."""
     return {
         "reclaim-expired-leases": {
             "task": RECLAIM_TASK,
             "schedule": max(1.0, settings.lease_renew_seconds),
+            "options": {"queue": maintenance_queue(settings), "expires": 60},
+        },
+        "resend-stranded-jobs": {
+            "task": RESEND_QUEUED_TASK,
+            "schedule": max(1.0, settings.queued_resend_seconds / 4),
             "options": {"queue": maintenance_queue(settings), "expires": 60},
         },
         "expire-streams": {

@@ -1,16 +1,24 @@
-"""Periodic maintenance run by beat's worker: lease reclaim and stream expiry.
+"""Periodic maintenance run by beat's worker: lease reclaim, stranded-job resend, stream
+expiry.
 
 A running job's device group renews `lease_expires_at` every few seconds. A lease that
 passed means the group died (or lost Postgres for longer than the lease): the job goes
 back to the queue for another group, or fails once it has used `settings.max_attempts`
 claims. `jobs.attempts` counts claims (the worker's `generate` adds one when it claims),
 so reclaim leaves it as is and announces the attempt that follows.
+
+A `queued` row must always have a `generate` message on its way. Messages get lost: a
+Redis restarted without persistence, a worker killed holding prefetched messages (they
+sit in the broker's unacked set until its visibility timeout), a send that failed while
+Redis was down. The resend pass gives such a row a new message; the worker's conditional
+claim makes a duplicate harmless.
 """
 
 from __future__ import annotations
 
 import logging
 import uuid
+from datetime import timedelta
 from typing import Any
 
 from celery import Celery
@@ -18,10 +26,17 @@ from redis import Redis
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from tasks.broker_queue import pending_job_ids
 from tasks.celery_app import send_generate
 from tasks.db import create_db_engine, make_sessionmaker, update_count, utcnow
 from tasks.models import Job, JobStatus
-from tasks.protocol import EXPIRE_STREAMS_TASK, RECLAIM_TASK, EventType, JobEvent
+from tasks.protocol import (
+    EXPIRE_STREAMS_TASK,
+    RECLAIM_TASK,
+    RESEND_QUEUED_TASK,
+    EventType,
+    JobEvent,
+)
 from tasks.redis_client import make_redis
 from tasks.settings import Settings
 from tasks.streams.publish import EventPublisher
@@ -95,6 +110,44 @@ def reclaim_expired_leases(
     return len(requeued) + len(failed)
 
 
+def resend_stranded_jobs(
+    settings: Settings,
+    session_factory: sessionmaker[Session],
+    redis: Redis,
+    celery_app: Celery,
+) -> list[str]:
+    """Send `generate` again for queued jobs older than `settings.queued_resend_seconds`
+    with no message waiting in their model's queue; returns their ids.
+
+    NOTE: the age is the row's `created_at`: a fresh row may be inserted before its
+    message goes out, an old requeued one is re-sent at once when its message is missing.
+    A message a live worker fetched a moment ago is not "waiting" either, so that job may
+    get a second message: its claim then finds the row running and skips it.
+    """
+    cutoff = utcnow() - timedelta(seconds=settings.queued_resend_seconds)
+    with session_factory() as session:
+        rows = session.execute(
+            select(Job.id, Job.model)
+            .where(Job.status == JobStatus.QUEUED.value, Job.created_at < cutoff)
+            .order_by(Job.created_at)
+            .limit(RECLAIM_BATCH)
+        ).all()
+    pending: dict[str, set[str]] = {}
+    sent: list[str] = []
+    for job_uuid, model in rows:
+        if model not in pending:
+            pending[model] = pending_job_ids(redis, settings, model)
+        job_id = str(job_uuid)
+        if job_id in pending[model]:
+            continue
+        send_generate(celery_app, settings, job_id, model)
+        pending[model].add(job_id)
+        sent.append(job_id)
+        logger.warning("job %s: queued with no generate message waiting; sent one again",
+                       job_id)
+    return sent
+
+
 def expire_streams(settings: Settings, session_factory: sessionmaker[Session],
                    redis: Redis) -> int:
     """Give every finished job's stream a TTL; returns how many streams got one.
@@ -158,12 +211,18 @@ class _Resources:
 
 
 def register_maintenance_tasks(app: Celery, settings: Settings) -> None:
-    """Register `RECLAIM_TASK` and `EXPIRE_STREAMS_TASK` on `app` (bodies above)."""
+    """Register `RECLAIM_TASK`, `RESEND_QUEUED_TASK` and `EXPIRE_STREAMS_TASK` on `app`
+    (bodies above)."""
     resources = _Resources(settings)
 
     @app.task(name=RECLAIM_TASK, ignore_result=True)
     def reclaim_task() -> int:
         return reclaim_expired_leases(settings, resources.session_factory, resources.redis, app)
+
+    @app.task(name=RESEND_QUEUED_TASK, ignore_result=True)
+    def resend_task() -> int:
+        return len(resend_stranded_jobs(settings, resources.session_factory, resources.redis,
+                                        app))
 
     @app.task(name=EXPIRE_STREAMS_TASK, ignore_result=True)
     def expire_streams_task() -> int:

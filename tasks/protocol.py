@@ -17,6 +17,7 @@ from tasks.settings import Settings
 GENERATE_TASK = "llmq.generate"  # body in workers/, sent by name from the web
 RECLAIM_TASK = "llmq.reclaim_expired_leases"
 EXPIRE_STREAMS_TASK = "llmq.expire_streams"
+RESEND_QUEUED_TASK = "llmq.resend_stranded_jobs"
 
 
 class EventType(str, Enum):

@@ -38,6 +38,9 @@ class Settings:
     lease_seconds: float = 30.0
     lease_renew_seconds: float = 5.0
     max_attempts: int = 3
+    # a job queued this long with no generate message waiting in its model's queue gets
+    # one again (a lost broker message, a dead worker's prefetch): no job is stranded
+    queued_resend_seconds: float = 60.0
     stream_ttl_seconds: int = 24 * 3600
     sse_heartbeat_seconds: float = 15.0
     max_body_bytes: int = 4 * 1024 * 1024

@@ -14,6 +14,7 @@ from tasks.protocol import (
     EXPIRE_STREAMS_TASK,
     GENERATE_TASK,
     RECLAIM_TASK,
+    RESEND_QUEUED_TASK,
     cancel_flag_key,
     events_key,
     group_alive_key,
@@ -59,7 +60,7 @@ def test_celery_app_config_and_beat_schedule():
     assert not app.conf.beat_schedule
     schedule = create_celery(settings, beat=True).conf.beat_schedule
     tasks = {entry["task"]: entry["schedule"] for entry in schedule.values()}
-    assert tasks == {RECLAIM_TASK: 3.0, EXPIRE_STREAMS_TASK: 60.0}
+    assert tasks == {RECLAIM_TASK: 3.0, RESEND_QUEUED_TASK: 15.0, EXPIRE_STREAMS_TASK: 60.0}
     assert app.conf.task_routes[RECLAIM_TASK]["queue"] == maintenance_queue(settings)
 
 
