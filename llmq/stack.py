@@ -47,11 +47,20 @@ def redis_server_binary() -> str:
     return str(executable)
 
 
+# A child that died is started again, unless it died this many times within the window:
+# then it is crash-looping (a bad checkpoint, a port taken) and the stack stops instead.
+MAX_RESTARTS = 5
+RESTART_WINDOW_SECONDS = 60.0
+
+
 @dataclass(slots=True)
 class Child:
     name: str  # web | worker | beat | redis
     process: subprocess.Popen[bytes]
     log_path: Path
+    command: list[str]
+    env: dict[str, str]
+    restarts: list[float] = field(default_factory=list)  # time.monotonic() of each restart
 
 
 @dataclass(slots=True)
@@ -69,16 +78,34 @@ class LocalStack:
         """Start `command` as a direct child; its output goes to `<state>/logs/<name>.log`."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
-        with open(log_path, "ab") as log:
-            # NOTE: a new session, so the terminal's Ctrl-C reaches only us; we stop the
-            # children ourselves, in order (the worker drains before Redis goes away).
-            process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log,
-                                       stderr=subprocess.STDOUT, env=env,
-                                       start_new_session=True)
-        child = Child(name, process, log_path)
+        child = Child(name, _popen(command, env, log_path), log_path, command, env)
         self.children.append(child)
-        logger.debug("started %s (pid %d): %s", name, process.pid, " ".join(command))
+        logger.debug("started %s (pid %d): %s", name, child.process.pid, " ".join(command))
         return child
+
+    def restart_dead(self, on_restart: Callable[[Child, int], None] | None = None) -> None:
+        """Start again every child that exited, in place; raise RuntimeError (with the
+        log's tail) for one that keeps dying (`MAX_RESTARTS` in `RESTART_WINDOW_SECONDS`).
+
+        NOTE: nothing is lost by a restart: a dead worker's jobs come back through lease
+        reclaim and the resend of stranded queued jobs, and clients resume their streams.
+        """
+        now = time.monotonic()
+        for child in self.children:
+            code = child.process.poll()
+            if code is None:
+                continue
+            child.restarts = [t for t in child.restarts if now - t < RESTART_WINDOW_SECONDS]
+            if len(child.restarts) >= MAX_RESTARTS:
+                raise RuntimeError(
+                    f"{child.name} exited with code {code}, its {MAX_RESTARTS + 1}th exit "
+                    f"within {RESTART_WINDOW_SECONDS:.0f}s; its log ({child.log_path}) ends "
+                    f"with:\n{log_tail(child.log_path)}")
+            child.restarts.append(now)
+            if on_restart is not None:
+                on_restart(child, code)
+            child.process = _popen(child.command, child.env, child.log_path)
+            logger.info("restarted %s (pid %d)", child.name, child.process.pid)
 
     def start_redis(self, port: int) -> str:
         """Start the embedded Redis on 127.0.0.1:`port`; returns its URL once it answers."""
@@ -117,6 +144,14 @@ class LocalStack:
                 process.kill()
                 process.wait(10.0)
         self.children.clear()
+
+
+def _popen(command: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+    with open(log_path, "ab") as log:
+        # NOTE: a new session, so the terminal's Ctrl-C reaches only us; we stop the
+        # children ourselves, in order (the worker drains before Redis goes away).
+        return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
 def wait_until(check: Callable[[], bool], timeout: float, what: str,

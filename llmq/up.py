@@ -64,7 +64,7 @@ def run_up(args: argparse.Namespace) -> int:
         _wait_ready(stack, args, env, model_name, group_id, worker)
         _print_ready(args, model_name, state_dir)
         while True:
-            stack.check_alive()
+            stack.restart_dead(_announce_restart)
             time.sleep(0.5)
     except (_Stop, KeyboardInterrupt):
         _say("stopping llmq (draining the worker)...")
@@ -80,6 +80,10 @@ def run_up(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
         signal.signal(signal.SIGINT, previous_int)
         _say("llmq stopped")
+
+
+def _announce_restart(child: Child, code: int) -> None:
+    _say(f"{child.name} exited with code {code}; starting it again (log: {child.log_path})")
 
 
 def _model(args: argparse.Namespace, state_dir: Path) -> tuple[str, str]:

@@ -32,6 +32,11 @@ def test_compose_file_validates() -> None:
     assert "--maxmemory-policy allkeys-lru" in kv_command and "--maxmemory" in kv_command
     assert "--appendonly yes" in " ".join(services["redis"]["command"])
     assert "healthcheck" in services["postgres"]
+    # a service that dies comes back: its jobs are reclaimed, not lost
+    for name in ("postgres", "redis", "redis-kv", "web", "worker", "beat"):
+        assert services[name].get("restart") == "unless-stopped", name
+    for name in ("migrate", "model"):
+        assert services[name].get("restart") == "on-failure", name
 
 
 @pytest.mark.parametrize(

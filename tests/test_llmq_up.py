@@ -1,6 +1,6 @@
 """`llmq up` on a fresh machine: no Redis or database given, so it starts the embedded
-Redis and uses SQLite in its state directory; a completion works over HTTP; SIGTERM
-stops every process it started."""
+Redis and uses SQLite in its state directory; a completion works over HTTP; a worker
+killed with SIGKILL is started again and serves; SIGTERM stops every process it started."""
 
 from __future__ import annotations
 
@@ -52,6 +52,21 @@ def _gone(pid: int) -> bool:
     return not Path(f"/proc/{pid}").exists()
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _complete(base: str) -> dict:
+    response = requests.post(f"{base}/v1/completions", timeout=90, json={
+        "model": "demo", "prompt": "hello", "max_tokens": 5, "temperature": 0.0,
+        "ignore_eos": True})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
 def test_llmq_up_serves_a_completion_and_stops_cleanly(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLMQ_")}
     env["PYTHONPATH"] = str(REPO)
@@ -64,15 +79,19 @@ def test_llmq_up_serves_a_completion_and_stops_cleanly(tmp_path):
     threading.Thread(target=lambda: [lines.put(line) for line in process.stdout],
                      daemon=True).start()
     output: list[str] = []
-    try:
-        deadline = time.monotonic() + 90
-        while not any("Ctrl-C stops everything" in line for line in output):
+
+    def read_until(marker: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(marker in line for line in output):
             assert process.poll() is None, "llmq up exited:\n" + "".join(output)
-            assert time.monotonic() < deadline, "no ready line:\n" + "".join(output)
+            assert time.monotonic() < deadline, f"no {marker!r}:\n" + "".join(output)
             try:
                 output.append(lines.get(timeout=1))
             except queue.Empty:
                 pass
+
+    try:
+        read_until("Ctrl-C stops everything", 90)
         text = "".join(output)
         assert READY_LINE in text and "creating a tiny demo checkpoint" in text
         assert "embedded Redis" in text
@@ -80,16 +99,20 @@ def test_llmq_up_serves_a_completion_and_stops_cleanly(tmp_path):
         assert (tmp_path / "state" / "llmq.db").exists()  # SQLite in the state dir
 
         base = f"http://127.0.0.1:{port}"
-        response = requests.post(f"{base}/v1/completions", timeout=60, json={
-            "model": "demo", "prompt": "hello", "max_tokens": 5, "temperature": 0.0,
-            "ignore_eos": True})
-        assert response.status_code == 200, response.text
-        body = response.json()
+        body = _complete(base)
         assert body["choices"][0]["text"] and body["usage"]["completion_tokens"] == 5
         ready = requests.get(f"{base}/ready", timeout=30)
         assert ready.status_code == 200 and ready.json()["checks"]["workers"] == {"demo": 1}
 
+        # a worker that dies is started again, and the stack goes on serving
+        (worker,) = [pid for pid in _descendants(process.pid)
+                     if "workers.main" in _cmdline(pid)]
+        os.kill(worker, signal.SIGKILL)
+        read_until("worker exited with code -9; starting it again", 30)
+        assert _complete(base)["choices"][0]["text"] == body["choices"][0]["text"]
+
         children = _descendants(process.pid)
+        assert worker not in children
         assert len(children) >= 4  # redis, worker, beat, web (+ gunicorn's worker)
         process.send_signal(signal.SIGTERM)
         assert process.wait(60) == 0, "".join(output)
