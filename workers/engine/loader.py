@@ -7,10 +7,8 @@ Reads `config.json`, the `*.safetensors` weights (one file, or shards listed in
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +18,7 @@ from safetensors import safe_open
 from torch import nn
 
 from workers.engine.device import resolve_device
+from workers.engine.fingerprint import fingerprint_files
 from workers.engine.models.config import ModelConfig
 from workers.engine.models.layers import ShapeMismatch
 from workers.engine.models.registry import MODEL_REGISTRY, resolve_architecture
@@ -27,7 +26,6 @@ from workers.engine.models.registry import MODEL_REGISTRY, resolve_architecture
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_FINGERPRINT_SAMPLE = 1 << 20  # bytes hashed at each end of a weights file's data
 
 
 @dataclass(slots=True)
@@ -210,19 +208,6 @@ def _eos_token_ids(root: Path, hf: dict[str, Any], tokenizer: Any) -> list[int]:
 
 
 def checkpoint_fingerprint(root: Path, dtype: torch.dtype) -> str:
-    """Digest of config.json, the weights files' names, sizes, headers and first/last MiB
-    of data, and the serving dtype: cheap for any size, stable across processes."""
-    digest = hashlib.sha256()
-    digest.update((root / "config.json").read_bytes())
-    digest.update(str(dtype).encode())
-    for path in _weight_files(root):
-        size = path.stat().st_size
-        digest.update(f"{path.name}:{size}".encode())
-        with open(path, "rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            digest.update(f.read(header_len))
-            digest.update(f.read(_FINGERPRINT_SAMPLE))
-            data_end = max(f.tell(), size - _FINGERPRINT_SAMPLE)
-            f.seek(data_end)
-            digest.update(f.read())
-    return digest.hexdigest()[:16]
+    """The KV-sharing identity of the checkpoint in `root` served in `dtype`: every byte of
+    its weights (workers/engine/fingerprint.py), stable across processes."""
+    return fingerprint_files(root / "config.json", _weight_files(root), str(dtype))
