@@ -60,3 +60,14 @@ def test_an_unwritable_cache_is_no_error(tmp_path):
     blocker.write_text("")
     fingerprint = fingerprint_files(config, files, "torch.float32", blocker / "c.json")
     assert len(fingerprint) == 16
+
+
+def test_entries_of_deleted_files_leave_the_cache(tmp_path):
+    cache = tmp_path / "cache.json"
+    gone = _checkpoint(tmp_path / "gone", size=1024)
+    fingerprint_files(*gone, "torch.float32", cache)
+    gone[1][0].unlink()
+    kept = _checkpoint(tmp_path / "kept", size=1024)
+    fingerprint_files(*kept, "torch.float32", cache)
+    (key,) = json.loads(cache.read_text())
+    assert key.startswith(str(kept[1][0].resolve()) + "|")

@@ -68,6 +68,10 @@ class _DigestCache:
     def save(self) -> None:
         if not self.changed:
             return
+        # files that are gone (a deleted checkpoint) leave the cache, so it never grows
+        # beyond the checkpoints on this machine
+        self.entries = {key: value for key, value in self.entries.items()
+                        if Path(key.split("|", 1)[0]).exists()}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
