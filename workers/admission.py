@@ -26,7 +26,8 @@ from tasks.db import utcnow
 from tasks.models import Job, JobStatus
 from tasks.params import SamplingParams
 from tasks.protocol import EventType, JobEvent, cancel_flag_key
-from workers.batcher import AdmittedJob, Batcher
+from workers.admitted import AdmittedJob
+from workers.batcher import Batcher
 from workers.db_writer import DbWriter
 from workers.engine.outputs import FinishReason
 from workers.job_rows import JobResult
