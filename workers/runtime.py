@@ -172,7 +172,7 @@ class GroupRuntime:
 
     def stop(self) -> None:
         """Drain: stop admitting, finish or requeue every job, flush, remove the heartbeat."""
-        if not self._started or self._stopped.is_set():
+        if not self._started or self.admission is None or self._stopped.is_set():
             return
         self._stopped.set()
         grace = self.settings.drain_grace_seconds
