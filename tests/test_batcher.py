@@ -17,7 +17,8 @@ from tasks.protocol import EventType, JobEvent, cancel_flag_key
 from tasks.streams.publish import EventPublisher
 from tests.pipeline_helpers import insert_job, read_job, read_stream, wait_for, wait_terminal
 from workers.admission import GenerateOutcome, JobAdmission
-from workers.batcher import AdmittedJob, Batcher
+from workers.admitted import AdmittedJob
+from workers.batcher import Batcher
 from workers.db_writer import DbWriter
 from workers.job_rows import JobResult
 

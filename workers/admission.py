@@ -16,9 +16,9 @@ import uuid
 from collections.abc import Callable
 from datetime import UTC, timedelta
 from enum import Enum
-from typing import Any
+from typing import Any, Protocol
 
-from sqlalchemy import update
+from sqlalchemy import Row, update
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -26,12 +26,36 @@ from tasks.db import utcnow
 from tasks.models import Job, JobStatus
 from tasks.params import SamplingParams
 from tasks.protocol import EventType, JobEvent, cancel_flag_key
-from workers.batcher import AdmittedJob, Batcher
-from workers.db_writer import DbWriter
+from tasks.settings import Settings
+from workers.admitted import AdmittedJob
 from workers.engine.outputs import FinishReason
 from workers.job_rows import JobResult
 
 logger = logging.getLogger(__name__)
+
+
+class CancelFlags(Protocol):
+    """The Redis client admission reads cancel flags with (`redis.Redis`)."""
+
+    def exists(self, *names: str) -> object: ...  # truthy when a flag is set
+
+
+class JobTaker(Protocol):
+    """Where admitted jobs go (`workers.batcher.Batcher`)."""
+
+    def admit(self, job: AdmittedJob, timeout: float | None = None) -> bool:
+        """False when the job was not taken (the group is draining)."""
+        ...
+
+
+class ClaimWriter(Protocol):
+    """The writes admission hands on (`workers.db_writer.DbWriter`)."""
+
+    def own(self, job_id: str) -> None: ...
+
+    def finish(self, result: JobResult) -> None: ...
+
+    def requeue(self, job_id: str, next_attempt: int) -> None: ...
 
 
 class GenerateOutcome(str, Enum):
@@ -51,13 +75,13 @@ class JobAdmission:
 
     def __init__(
         self,
-        settings: Any,
+        settings: Settings,
         session_factory: sessionmaker[Session],
-        redis: Any,
-        batcher: Batcher,
-        writer: DbWriter,
+        redis: CancelFlags,
+        batcher: JobTaker,
+        writer: ClaimWriter,
         group_id: str,
-        send_generate: Callable[[str], Any],
+        send_generate: Callable[[str], None],
     ) -> None:
         self.settings = settings
         self.session_factory = session_factory
@@ -135,7 +159,7 @@ class JobAdmission:
             return GenerateOutcome.REQUEUED
         return GenerateOutcome.ADMITTED
 
-    def _claim(self, job_uuid: uuid.UUID) -> Any:
+    def _claim(self, job_uuid: uuid.UUID) -> Row[Any] | None:
         now = utcnow()
         statement = (
             update(Job)
@@ -178,7 +202,7 @@ class JobAdmission:
         ))
 
 
-def _admitted_job(job_id: str, row: Any, attempt: int) -> AdmittedJob:
+def _admitted_job(job_id: str, row: Row[Any], attempt: int) -> AdmittedJob:
     """Raises TypeError/ValueError on parameters a worker cannot run."""
     params = SamplingParams(**dict(row.params or {}))
     prompt: str | list[int]

@@ -1,10 +1,10 @@
 """The batcher: the one thread that owns a device group's engine.
 
-Celery task threads hand claimed jobs to `Batcher.admit`, which blocks while the group is
-full: a blocked task thread stops the worker from fetching more messages, so other device
-groups take them (back-pressure without a router). Every loop the batcher
+Other threads talk to it through its `JobInbox` (`admit`, which blocks while the group is
+full, `cancel`, `drain`). Every loop the batcher
 
-  1. applies cancel requests (between steps, never inside one),
+  1. takes what the inbox holds, and applies cancel requests (between steps, never
+     inside one),
   2. adds the admitted jobs to the engine,
   3. runs `engine.step()`,
   4. turns the deltas into `JobEvent`s and sends ALL of them in one Redis call, without
@@ -24,36 +24,48 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field, is_dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
 from tasks.db import utcnow
-from tasks.metrics import JobFigures, WorkerMetrics
+from tasks.metrics import WorkerMetrics
 from tasks.params import SamplingParams
 from tasks.protocol import JobEvent
 from tasks.streams.publish import EventPublisher
-from workers.db_writer import DbWriter
+from workers.admitted import AdmittedJob
+from workers.engine.config import EngineStats
 from workers.engine.outputs import CompletionDelta
-from workers.job_rows import JobResult
+from workers.inbox import JobInbox
+from workers.job_rows import JobProgress, JobResult
 from workers.job_state import JobState
 from workers.step_publisher import StepPublisher
 
 logger = logging.getLogger(__name__)
 
-# how long a cancel for a job this group has not seen yet is remembered
-EARLY_CANCEL_SECONDS = 300.0
+
+class BatchEngine(Protocol):
+    """What the batcher calls on its engine (`workers.engine.core.Engine`); the batcher
+    thread is its only caller."""
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    priority: int = 0) -> int:
+        """Returns the number of prompt tokens; ValueError for a request it refuses."""
+        ...
+
+    def abort_request(self, request_id: str) -> list[CompletionDelta]: ...
+
+    def step(self) -> list[CompletionDelta]: ...
+
+    def stats(self) -> EngineStats: ...
 
 
-@dataclass(slots=True)
-class AdmittedJob:
-    """A claimed job as the batcher needs it: ids and plain values, no ORM row."""
+class ResultWriter(Protocol):
+    """Where the batcher hands job rows (`workers.db_writer.DbWriter`)."""
 
-    job_id: str
-    prompt: str | list[int]  # token ids when the web tokenized it, else the prompt text
-    params: SamplingParams
-    priority: int = 0
-    attempt: int = 1  # this claim's number (jobs.attempts after the claim)
-    created_at: float | None = None  # unix seconds the API stored the job (metrics)
-    claimed_at: float | None = None  # unix seconds this group claimed it (metrics)
+    def progress(self, items: list[JobProgress]) -> None: ...
+
+    def finish(self, result: JobResult) -> None: ...
 
 
 @dataclass(slots=True)
@@ -73,9 +85,9 @@ class Batcher:
 
     def __init__(
         self,
-        engine: Any,
+        engine: BatchEngine,
         publisher: EventPublisher,
-        writer: DbWriter,
+        writer: ResultWriter,
         *,
         capacity: int,
         progress_interval: float = 2.0,
@@ -86,21 +98,11 @@ class Batcher:
         self.capacity = capacity  # samples admitted at once (= the engine's max_num_seqs)
         self.progress_interval = progress_interval
         self.stats_interval = stats_interval
-        self._cv = threading.Condition()
-        self._inbox: list[AdmittedJob] = []
-        self._cancels: set[str] = set()  # new cancel requests, for the next loop
-        # every recent cancel request: job id -> time.monotonic(). Catches a job whose
-        # cancel came before the job reached the engine (waiting in admit, or in transit).
-        self._cancelled_at: dict[str, float] = {}
-        self._active_samples = 0
-        self._admitting = True
-        self._stopping = False
-        self._abort_all = False
+        self._inbox = JobInbox(capacity)
         self._jobs: dict[str, JobState] = {}  # batcher thread only
-        self._num_jobs = 0
         self._num_steps = 0
-        self._engine_stats: dict[str, Any] = {}
-        self._stats_at = 0.0
+        # (EngineStats fields, time.time() read): replaced whole, never changed in place
+        self._engine_stats: tuple[dict[str, Any], float] = ({}, 0.0)
         self._next_progress = 0.0
         self._finished: list[JobState] = []
         self._first_tokens: list[JobState] = []  # results to hand over after this step's events
@@ -123,61 +125,34 @@ class Batcher:
         Returns False (the job was NOT taken) when the batcher stops admitting (drain) or
         `timeout` passes; the caller then gives the job back to the queue.
         """
-        need = max(1, job.params.n)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cv:
-            # NOTE: a job bigger than the whole capacity still runs, alone; a job cancelled
-            # while it waits goes through at once (the batcher ends it without running it).
-            while self._admitting and self._active_samples > 0 and (
-                self._active_samples + need > self.capacity
-            ) and job.job_id not in self._cancelled_at:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return False
-                self._cv.wait(remaining)
-            if not self._admitting:
-                return False
-            self._active_samples += need
-            self._num_jobs += 1
-            self._inbox.append(job)
-            self._cv.notify_all()
-        return True
+        return self._inbox.admit(job, timeout)
 
     def cancel(self, job_id: str) -> None:
         """Ask to cancel `job_id` before the next step (ignored if it is not ours)."""
-        with self._cv:
-            self._cancels.add(job_id)
-            self._cancelled_at[job_id] = time.monotonic()
-            self._cv.notify_all()
+        self._inbox.cancel(job_id)
 
     def load(self) -> BatcherLoad:
-        with self._cv:
-            return BatcherLoad(
-                num_jobs=self._num_jobs,
-                num_active_samples=self._active_samples,
-                capacity=self.capacity,
-                num_steps=self._num_steps,
-                engine=dict(self._engine_stats),
-                updated_at=self._stats_at,
-            )
+        num_jobs, num_active_samples = self._inbox.figures()
+        engine_stats, updated_at = self._engine_stats
+        return BatcherLoad(
+            num_jobs=num_jobs,
+            num_active_samples=num_active_samples,
+            capacity=self.capacity,
+            num_steps=self._num_steps,
+            engine=dict(engine_stats),
+            updated_at=updated_at,
+        )
 
     def stop_admitting(self) -> None:
         """Every blocked and future `admit` returns False."""
-        with self._cv:
-            self._admitting = False
-            self._cv.notify_all()
+        self._inbox.stop_admitting()
 
     def drain(self, grace_seconds: float) -> list[AdmittedJob]:
         """Stop admitting, let running jobs finish within `grace_seconds`, then abort the
         rest and end the thread. Returns the aborted jobs (the caller requeues them)."""
-        self.stop_admitting()
-        deadline = time.monotonic() + grace_seconds
-        with self._cv:
-            while self._num_jobs > 0 and time.monotonic() < deadline:
-                self._cv.wait(min(0.1, max(0.0, deadline - time.monotonic())))
-            self._abort_all = True
-            self._stopping = True
-            self._cv.notify_all()
+        self._inbox.stop_admitting()
+        self._inbox.wait_empty(time.monotonic() + grace_seconds)
+        self._inbox.stop()
         self._thread.join(timeout=60.0)
         return self.aborted
 
@@ -189,25 +164,20 @@ class Batcher:
     def _run(self) -> None:
         logger.info("batcher started (capacity %d samples)", self.capacity)
         while True:
-            with self._cv:
-                while not (self._inbox or self._cancels or self._stopping
-                           or self._jobs or self.engine.has_unfinished_requests()):
-                    self._cv.wait(self.stats_interval)
-                    if not (self._inbox or self._cancels or self._stopping):
-                        self._refresh_stats_locked()
-                inbox, self._inbox = self._inbox, []
-                cancels, self._cancels = self._cancels, set()
-                self._prune_cancels()
-                cancelled_inbox = {j.job_id for j in inbox if j.job_id in self._cancelled_at}
-                stopping, abort_all = self._stopping, self._abort_all
-            if abort_all:
-                self._abort_everything(inbox)
+            # NOTE: only this thread changes _jobs and the engine's requests, so neither
+            # can change while it waits: only the inbox can bring work.
+            if not (self._jobs or self.engine.has_unfinished_requests()):
+                while not self._inbox.wait(self.stats_interval):
+                    self._refresh_stats(force=True)  # idle: keep the load figures fresh
+            work = self._inbox.take()
+            if work.stopping:
+                self._abort_everything(work.jobs)
                 break
             events: list[tuple[str, JobEvent]] = []
             # NOTE: cancels first, so a cancel that arrives with its job's admission (the
             # early-cancel memory) still catches it in _add_jobs.
-            self._apply_cancels(cancels, events)
-            self._add_jobs(inbox, cancelled_inbox, events)
+            self._apply_cancels(work.cancels, events)
+            self._add_jobs(work.jobs, work.cancelled_jobs, events)
             if self.engine.has_unfinished_requests():
                 self._step(events)
             elif self._jobs:
@@ -215,23 +185,14 @@ class Batcher:
             self._emit(events)
             self._send_progress()
             self._refresh_stats()
-            if stopping and not self._jobs:
-                break
         self._publisher.stop()
         logger.info("batcher stopped after %d steps", self._num_steps)
-
-    def _prune_cancels(self) -> None:
-        """Forget cancel requests older than EARLY_CANCEL_SECONDS (caller holds _cv)."""
-        if len(self._cancelled_at) < 1024:
-            return
-        horizon = time.monotonic() - EARLY_CANCEL_SECONDS
-        self._cancelled_at = {k: t for k, t in self._cancelled_at.items() if t > horizon}
 
     def _apply_cancels(self, cancels: set[str], events: list[tuple[str, JobEvent]]) -> None:
         for job_id in cancels:
             state = self._jobs.get(job_id)
             if state is None:
-                continue  # not ours, or not here yet: _cancelled_at catches it on arrival
+                continue  # not ours, or not here yet: the inbox catches it on arrival
             try:
                 deltas = self.engine.abort_request(job_id)
             except Exception as exc:
@@ -326,12 +287,8 @@ class Batcher:
         results = [state.result() for state in finished]
         self._publisher.submit(events, results)
         for state, result in zip(finished, results):
-            self.metrics.observe_job(_job_figures(state, result))
-        if finished:
-            with self._cv:
-                self._active_samples -= sum(max(1, s.job.params.n) for s in finished)
-                self._num_jobs -= len(finished)
-                self._cv.notify_all()
+            self.metrics.observe_job(state.figures(result))
+        self._inbox.release([state.job for state in finished])
 
     def _send_progress(self) -> None:
         """First-token times at once; partial output of every job each progress_interval."""
@@ -353,19 +310,12 @@ class Batcher:
             aborted.append(state.job)
         self._jobs.clear()
         self.aborted = aborted
-        with self._cv:
-            self._active_samples = 0
-            self._num_jobs = 0
-            self._cv.notify_all()
+        self._inbox.release_all()
         self._refresh_stats(force=True)
 
     def _refresh_stats(self, force: bool = False) -> None:
-        if not force and time.time() - self._stats_at < self.stats_interval:
+        if not force and time.time() - self._engine_stats[1] < self.stats_interval:
             return
-        with self._cv:
-            self._refresh_stats_locked()
-
-    def _refresh_stats_locked(self) -> None:
         try:
             stats = self.engine.stats()
         except Exception:  # figures only
@@ -373,16 +323,5 @@ class Batcher:
             return
         # EngineStats is a dataclass instance; anything else with attributes works too
         is_instance = is_dataclass(stats) and not isinstance(stats, type)
-        self._engine_stats = asdict(stats) if is_instance else dict(vars(stats))
-        self._stats_at = time.time()
+        self._engine_stats = (asdict(stats) if is_instance else dict(vars(stats)), time.time())
 
-
-def _job_figures(state: JobState, result: JobResult) -> JobFigures:
-    first = state.first_token_at
-    return JobFigures(
-        status=result.status.value, num_prompt_tokens=result.prompt_tokens,
-        num_completion_tokens=result.completion_tokens, num_samples=len(result.output) or 1,
-        created_at=state.job.created_at, claimed_at=state.job.claimed_at,
-        first_token_at=first.timestamp() if first is not None else None,
-        finished_at=result.finished_at.timestamp(),
-    )

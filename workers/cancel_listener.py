@@ -9,17 +9,36 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from tasks.protocol import cancel_channel
+from tasks.settings import Settings
 
 logger = logging.getLogger(__name__)
+
+
+class Subscription(Protocol):
+    """One pub/sub connection (`redis.client.PubSub`)."""
+
+    def subscribe(self, *channels: str) -> None: ...
+
+    def get_message(self, ignore_subscribe_messages: bool = False,
+                    timeout: float = 0.0) -> dict[str, Any] | None: ...
+
+    def close(self) -> None: ...
+
+
+class PubSubClient(Protocol):
+    """The Redis client the listener subscribes with (`redis.Redis`)."""
+
+    def pubsub(self) -> Subscription: ...
 
 
 class CancelListener:
     """A daemon thread subscribed to `cancel_channel`; reconnects on Redis errors."""
 
-    def __init__(self, redis: Any, settings: Any, on_cancel: Callable[[str], None]) -> None:
+    def __init__(self, redis: PubSubClient, settings: Settings,
+                 on_cancel: Callable[[str], None]) -> None:
         self.redis = redis
         self.settings = settings
         self.on_cancel = on_cancel

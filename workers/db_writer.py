@@ -24,16 +24,26 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
 
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from tasks.db import utcnow
 from tasks.protocol import EventType, JobEvent
-from workers.job_rows import JobProgress, JobRequeue, JobResult, JobRows, unstorable
+from tasks.settings import Settings
+from workers.job_rows import (
+    JobProgress,
+    JobRequeue,
+    JobResult,
+    JobRows,
+    JobWrite,
+    unstorable,
+)
 
 logger = logging.getLogger(__name__)
+
+# a job-row write, or a flush marker: set once everything queued before it is written
+_Item = JobWrite | threading.Event
 
 __all__ = ["DbWriter", "JobProgress", "JobResult"]
 
@@ -47,10 +57,10 @@ class DbWriter:
 
     def __init__(
         self,
-        settings: Any,
+        settings: Settings,
         session_factory: sessionmaker[Session],
-        publish: Callable[[list[tuple[str, JobEvent]]], Any],
-        send_generate: Callable[[str], Any],
+        publish: Callable[[list[tuple[str, JobEvent]]], object],
+        send_generate: Callable[[str], None],
         group_id: str,
         *,
         max_batch: int = 256,
@@ -62,9 +72,7 @@ class DbWriter:
         self.group_id = group_id
         self.rows = JobRows(session_factory, group_id)
         self.max_batch = max_batch
-        self._queue: queue.Queue[JobResult | JobProgress | JobRequeue | threading.Event] = (
-            queue.Queue()
-        )
+        self._queue: queue.Queue[_Item] = queue.Queue()
         self._owned: set[str] = set()  # jobs whose lease this group renews
         self._owned_lock = threading.Lock()
         self._stop = threading.Event()
@@ -115,7 +123,7 @@ class DbWriter:
     # -- the thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
-        retry: list[Any] = []  # a batch Postgres refused, written again before anything new
+        retry: list[_Item] = []  # a batch Postgres refused, written again before anything new
         backoff = 0.0
         while not self._stop.is_set():
             wait = max(0.0, self._next_renewal - time.monotonic())
@@ -137,7 +145,7 @@ class DbWriter:
                 self._renew_leases()
                 self._next_renewal = time.monotonic() + self.settings.lease_renew_seconds
 
-    def _write(self, batch: list[Any]) -> list[Any]:
+    def _write(self, batch: list[_Item]) -> list[_Item]:
         """Write `batch`; returns what must be retried (all of it when Postgres is down).
 
         NOTE: retrying an outage forever is safe: every write is conditional on the job
@@ -165,7 +173,7 @@ class DbWriter:
                 marker.set()
         return []
 
-    def _store_alone(self, item: Any) -> None:
+    def _store_alone(self, item: JobWrite) -> None:
         try:
             self._store([item])
             return
@@ -186,7 +194,7 @@ class DbWriter:
         with self._owned_lock:
             self._owned.discard(job_id)
 
-    def _store(self, items: list[Any]) -> None:
+    def _store(self, items: list[JobWrite]) -> None:
         written, requeued = self.rows.write(items)
         with self._owned_lock:
             self._owned.difference_update(

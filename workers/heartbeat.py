@@ -15,12 +15,37 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from tasks.metrics import WorkerMetrics
 from tasks.protocol import group_alive_key, groups_key
+from tasks.settings import Settings
 
 logger = logging.getLogger(__name__)
+
+
+class BeatPipeline(Protocol):
+    """The commands of one beat, sent together (`redis.client.Pipeline`)."""
+
+    def hset(self, name: str, key: str, value: str) -> object: ...
+
+    def set(self, name: str, value: str, ex: int) -> object: ...
+
+    def hdel(self, name: str, *keys: str) -> object: ...
+
+    def delete(self, *names: str) -> object: ...
+
+    def execute(self) -> object: ...
+
+
+class BeatRedis(Protocol):
+    """The Redis client the heartbeat writes with (`redis.Redis`)."""
+
+    def pipeline(self, transaction: bool = True) -> BeatPipeline: ...
+
+
+# the group's live figures, merged into each beat: JSON values (see GroupRuntime._load)
+LoadSource = Callable[[], dict[str, Any]]
 
 
 @dataclass(slots=True)
@@ -47,10 +72,10 @@ class Heartbeat:
 
     def __init__(
         self,
-        redis: Any,
-        settings: Any,
+        redis: BeatRedis,
+        settings: Settings,
         identity: GroupIdentity,
-        load: Callable[[], dict[str, Any]],
+        load: LoadSource,
         *,
         interval: float = 2.0,
         metrics: WorkerMetrics | None = None,
@@ -98,16 +123,16 @@ class Heartbeat:
         pipe.hset(groups_key(self.settings, self.identity.model), self.identity.group_id,
                   payload)
         pipe.set(self._alive_key(), payload, ex=max(1, int(self.interval * 3 + 0.999)))
-        written = None
-        if self.metrics is not None:
+        metrics, written = self.metrics, None
+        if metrics is not None:
             # NOTE: the service counters ride on this pipeline: no extra round trip
-            self.metrics.observe_engine(figures)
-            written = self.metrics.write(pipe, self.settings, self.identity.model)
+            metrics.observe_engine(figures)
+            written = metrics.write(pipe, self.settings, self.identity.model)
         try:
             pipe.execute()
         except Exception:
-            if written is not None:
-                self.metrics.restore(written)  # type: ignore[union-attr]
+            if metrics is not None and written is not None:
+                metrics.restore(written)
             raise
 
     def _alive_key(self) -> str:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, cast
 
-from sqlalchemy import DateTime, Table, bindparam, func, update
+from sqlalchemy import DateTime, Table, Update, bindparam, func, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from tasks.db import update_count, utcnow
@@ -58,7 +58,13 @@ class JobRequeue:
     next_attempt: int
 
 
+# what the writer thread hands to `JobRows.write`
+JobWrite = JobResult | JobProgress | JobRequeue
+
+
 class JobRows:
+    """The statements; `write` runs a batch of them in one transaction."""
+
     def __init__(self, session_factory: sessionmaker[Session], group_id: str) -> None:
         self.session_factory = session_factory
         self.group_id = group_id
@@ -72,7 +78,7 @@ class JobRows:
                                                  jobs.c.first_token_at))
         )
 
-    def write(self, items: list[Any]) -> tuple[list[JobResult], list[JobRequeue]]:
+    def write(self, items: list[JobWrite]) -> tuple[list[JobResult], list[JobRequeue]]:
         """Write progress, results and requeues in ONE transaction; returns the results
         and requeues that matched a row of ours (the others were reclaimed meanwhile)."""
         finished = {i.job_id for i in items if isinstance(i, JobResult | JobRequeue)}
@@ -122,7 +128,7 @@ class JobRows:
                         lease_expires_at=utcnow())
             )
 
-    def _mine(self, job_id: str) -> Any:
+    def _mine(self, job_id: str) -> Update:
         return update(Job).where(
             Job.id == uuid.UUID(job_id),
             Job.status == JobStatus.RUNNING.value,

@@ -7,19 +7,18 @@ stores. Lives in the batcher thread only.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from tasks.metrics import JobFigures
 from tasks.models import JobStatus
 from tasks.protocol import EventType, JobEvent
+from workers.admitted import AdmittedJob
 from workers.engine.outputs import CompletionDelta, FinishReason
 from workers.job_rows import JobProgress, JobResult
 
 # NOTE: Postgres text cannot hold NUL. A NUL the model emits reaches the client as U+FFFD,
 # the same in the stream and in the stored output (token ids stay exact).
 NUL_REPLACEMENT = "\ufffd"
-
-if TYPE_CHECKING:
-    from workers.batcher import AdmittedJob
 
 
 class JobState:
@@ -29,7 +28,7 @@ class JobState:
                  "num_cached_tokens", "first_token_at", "error")
 
     def __init__(self, job: AdmittedJob) -> None:
-        n = max(1, job.params.n)
+        n = job.num_samples
         self.job = job
         self.texts: list[list[str]] = [[] for _ in range(n)]  # text pieces per sample
         self.token_ids: list[list[int]] = [[] for _ in range(n)]
@@ -125,6 +124,18 @@ class JobState:
             cached_tokens=self.num_cached_tokens,
             event=event,
             first_token_at=self.first_token_at,
+        )
+
+    def figures(self, result: JobResult) -> JobFigures:
+        """The metrics of this job once it ended with `result`."""
+        first = self.first_token_at
+        return JobFigures(
+            status=result.status.value, num_prompt_tokens=result.prompt_tokens,
+            num_completion_tokens=result.completion_tokens,
+            num_samples=len(result.output) or 1,
+            created_at=self.job.created_at, claimed_at=self.job.claimed_at,
+            first_token_at=first.timestamp() if first is not None else None,
+            finished_at=result.finished_at.timestamp(),
         )
 
 

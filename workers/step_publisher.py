@@ -18,16 +18,31 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Protocol
 
 from tasks.protocol import EventType, JobEvent
-from tasks.streams.publish import PipelinedSender
 from workers.job_rows import JobResult
 
 logger = logging.getLogger(__name__)
 
+
+class EventSender(Protocol):
+    """Sends a step's events without waiting for the reply
+    (`tasks.streams.publish.PipelinedSender`)."""
+
+    def send(self, events: list[tuple[str, JobEvent]]) -> object:
+        """Send `events` now; returns an opaque handle for `receive`. Raises on failure."""
+        ...
+
+    def receive(self, handle: object) -> object:
+        """Read the reply of the send that returned `handle` (in send order)."""
+        ...
+
+    def close(self) -> None: ...
+
+
 # (send handle or None, number of events, results to hand on after the reply)
-_Item = tuple[Any, int, list[JobResult]]
+_Item = tuple[object | None, int, list[JobResult]]
 
 
 class StepPublisher:
@@ -35,7 +50,7 @@ class StepPublisher:
 
     def __init__(
         self,
-        sender: PipelinedSender,
+        sender: EventSender,
         on_published: Callable[[JobResult], None],
         *,
         max_pending_steps: int = 64,

@@ -1,0 +1,141 @@
+"""The batcher's inbox: where other threads hand it work, and where admission waits.
+
+Celery task threads `admit` claimed jobs; the cancel listener adds `cancel` requests; the
+runtime's drain stops the loop. The batcher thread `take`s all of it at once between
+steps. The inbox also keeps the group's admission ledger: samples and jobs admitted and
+not finished yet. `admit` blocks while the group is full, and a blocked task thread stops
+its worker from fetching more messages, so other device groups take them
+(back-pressure without a router).
+
+One condition variable guards everything here; every change that can unblock a waiter
+notifies it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from workers.admitted import AdmittedJob
+from workers.cancel_requests import CancelRequests
+
+
+@dataclass(slots=True)
+class InboxTake:
+    """Everything the loop takes at once, under the inbox lock."""
+
+    jobs: list[AdmittedJob]  # admitted since the last take, in admission order
+    cancels: set[str]  # job ids whose cancel was requested since the last take
+    cancelled_jobs: set[str]  # ids among `jobs` with a recent cancel: end them unrun
+    stopping: bool  # the drain's grace is over: abort everything and end the loop
+
+
+class JobInbox:
+    """Admitted jobs and cancel requests waiting for the loop, plus the admission ledger."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity  # samples admitted at once (= the engine's max_num_seqs)
+        self._cv = threading.Condition()
+        self._jobs: list[AdmittedJob] = []
+        self._cancels = CancelRequests()
+        self._num_active_samples = 0  # admitted, not finished; counted against capacity
+        self._num_jobs = 0  # admitted, not finished (in the engine or about to be added)
+        self._admitting = True
+        self._stopping = False
+
+    # -- task, listener and runtime threads ------------------------------------------------
+
+    def admit(self, job: AdmittedJob, timeout: float | None = None) -> bool:
+        """Queue `job` for the loop, blocking while the group is full.
+
+        Returns False (the job was NOT taken) once admission stops (drain) or when
+        `timeout` passes; the caller then gives the job back to the queue.
+        """
+        need = job.num_samples
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            # NOTE: a job bigger than the whole capacity still runs, alone; a job cancelled
+            # while it waits goes through at once (the loop ends it without running it).
+            while self._admitting and self._num_active_samples > 0 and (
+                self._num_active_samples + need > self.capacity
+            ) and job.job_id not in self._cancels:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cv.wait(remaining)
+            if not self._admitting:
+                return False
+            self._num_active_samples += need
+            self._num_jobs += 1
+            self._jobs.append(job)
+            self._cv.notify_all()
+        return True
+
+    def cancel(self, job_id: str) -> None:
+        """Record a cancel request; it also releases `job_id` if it waits in `admit`."""
+        with self._cv:
+            self._cancels.add(job_id, time.monotonic())
+            self._cv.notify_all()
+
+    def stop_admitting(self) -> None:
+        """Every blocked and future `admit` returns False."""
+        with self._cv:
+            self._admitting = False
+            self._cv.notify_all()
+
+    def wait_empty(self, deadline: float) -> bool:
+        """Wait until no admitted job is unfinished, or until `deadline` (time.monotonic()).
+        Returns whether it is empty."""
+        with self._cv:
+            while self._num_jobs > 0 and time.monotonic() < deadline:
+                self._cv.wait(min(0.1, max(0.0, deadline - time.monotonic())))
+            return self._num_jobs == 0
+
+    def stop(self) -> None:
+        """Tell the loop to abort what it holds and end (its next `take` says so)."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+
+    def figures(self) -> tuple[int, int]:
+        """(jobs, samples) admitted and not finished, read together."""
+        with self._cv:
+            return self._num_jobs, self._num_active_samples
+
+    # -- the batcher thread ------------------------------------------------------------------
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for something to take; returns whether there is."""
+        with self._cv:
+            if not self._has_work():
+                self._cv.wait(timeout)
+            return self._has_work()
+
+    def take(self) -> InboxTake:
+        """Take every admitted job and new cancel request (without waiting)."""
+        with self._cv:
+            jobs, self._jobs = self._jobs, []
+            cancels = self._cancels.take_new()
+            self._cancels.prune(time.monotonic())
+            cancelled_jobs = {job.job_id for job in jobs if job.job_id in self._cancels}
+            return InboxTake(jobs, cancels, cancelled_jobs, self._stopping)
+
+    def release(self, jobs: list[AdmittedJob]) -> None:
+        """`jobs` finished: their samples no longer count against the capacity."""
+        if not jobs:
+            return
+        with self._cv:
+            self._num_active_samples -= sum(job.num_samples for job in jobs)
+            self._num_jobs -= len(jobs)
+            self._cv.notify_all()
+
+    def release_all(self) -> None:
+        """The loop gave every job back (drain): nothing counts any more."""
+        with self._cv:
+            self._num_active_samples = 0
+            self._num_jobs = 0
+            self._cv.notify_all()
+
+    def _has_work(self) -> bool:
+        return bool(self._jobs) or self._cancels.has_new or self._stopping
