@@ -4,7 +4,7 @@ With `--tokenizer DIR` (a local Hugging Face tokenizer) prompts are random token
 decoded and re-encoded until the text is exactly the wanted number of tokens, as vLLM
 builds them. Without one the client cannot know the server's tokenizer (it loads nothing
 of the server), so prompts are random common English words: two probe requests measure
-how many tokens the server counts per word (`usage.prompt_tokens` of 32 and 160 words;
+how many tokens the server counts per word (`usage.prompt_tokens` of 32 and 512 words;
 the difference cancels a chat template's fixed overhead), and word counts are scaled to
 hit the wanted lengths on average. Either way the input tokens reported are the server's
 own `usage.prompt_tokens`.
@@ -27,7 +27,7 @@ from llmq.bench.request_types import RequestOutput
 
 logger = logging.getLogger(__name__)
 
-CALIBRATION_WORDS = (32, 160)  # prompt lengths in words of the two probe requests
+CALIBRATION_WORDS = (32, 512)  # prompt lengths in words of the two probe requests
 MAX_FIX_ROUNDS = 10  # decode/re-encode rounds to reach an exact token length
 
 WORDS = """the of and to in is was for on that with as by at from his it an were are
