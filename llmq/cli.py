@@ -12,6 +12,8 @@ import logging
 import os
 import sys
 
+from llmq.bench.args import add_cli_args as add_bench_args
+from llmq.bench.main import cmd_bench
 from llmq.commands import (
     cmd_beat,
     cmd_db_upgrade,
@@ -145,6 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--url", default=os.environ.get("LLMQ_URL", DEFAULT_URL))
     submit.add_argument("--api-key", default=os.environ.get("LLMQ_API_KEY"))
     submit.set_defaults(handler=cmd_submit)
+
+    bench = sub.add_parser("bench", help="benchmark a serving endpoint (vLLM's `bench serve` "
+                           "flags, table and JSON)", description="Benchmark an OpenAI-"
+                           "compatible server or llmq's jobs API with `vllm bench serve`'s "
+                           "flags, metrics, printed table and result JSON.")
+    add_bench_args(bench)
+    bench.set_defaults(handler=cmd_bench)
     return parser
 
 
