@@ -39,6 +39,26 @@ def test_tp2_greedy_tokens_equal_tp1(fixture, request):
     assert _greedy(model_dir, 2) == expected
 
 
+def _greedy_preempting(model_dir, tp: int) -> tuple[list[list[int]], int]:
+    """Greedy tokens of PROMPTS with 10 KV blocks (the tiny preset's block is 8 KiB at
+    TP 1, a 4 KiB slab per rank at TP 2): the sequences outgrow them, so some are
+    preempted and later resumed, which the ranks' step deltas resend whole."""
+    from workers.engine.llm import LLM
+
+    params = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    with LLM(str(model_dir), dtype="float32", tensor_parallel_size=tp, max_num_seqs=8,
+             max_num_batched_tokens=12, kv_cache_bytes=10 * (8 << 10) // tp) as llm:
+        assert llm.engine.runner.num_blocks == 10
+        tokens = [out.token_ids for out in llm.generate(PROMPTS, params)]
+        return tokens, llm.engine.scheduler.num_preemptions
+
+
+def test_tp2_greedy_tokens_equal_tp1_through_preemption(tiny_qwen3_dir):
+    expected, num_preemptions = _greedy_preempting(tiny_qwen3_dir, 1)
+    assert num_preemptions > 0
+    assert _greedy_preempting(tiny_qwen3_dir, 2) == (expected, num_preemptions)
+
+
 @pytest.fixture
 def tp_runner(tiny_qwen3_dir):
     from workers.engine.parallel import make_tp_runner
@@ -121,3 +141,22 @@ def test_one_tp_group_per_process(tp_runner, tiny_qwen3_dir):
 
     with pytest.raises(TensorParallelError, match="close\\(\\) the other engine or LLM"):
         make_tp_runner(str(tiny_qwen3_dir), device="cpu", tp_size=2, dtype="float32")
+
+
+def test_a_rank_refuses_a_step_delta_it_cannot_apply(tp_runner):
+    """A rank whose cache of sequences would disagree with rank 0's fails with the reason
+    instead of running a forward over a guessed block table; the group stops."""
+    from workers.engine.parallel import TensorParallelError
+    from workers.engine.parallel.launch import recv
+    from workers.engine.parallel.messages import BlocksRead, RunStep
+    from workers.engine.parallel.step_delta import CachedSequence, StepDelta
+
+    tp_runner.execute(_step([1, 2, 3], [0]))
+    conn = tp_runner._conns[0]
+    # step 1 continues a sequence rank 1 never saw
+    conn.send(RunStep(StepDelta(1, False, [0], [CachedSequence(7, [4], [], True)], 1, []), []))
+    with pytest.raises(TensorParallelError, match="StepDeltaError: step 1 continues "
+                                                  "sequence 7, which this rank does not hold"):
+        recv(conn, BlocksRead, 30.0)
+    with pytest.raises(TensorParallelError, match="rank 1 .* died"):
+        tp_runner.execute(_step([4], [0], start_pos=3))

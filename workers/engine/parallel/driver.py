@@ -3,9 +3,11 @@
 Rank 0 lives in the calling process (the group's worker) and owns a `ModelRunner` over
 its shard; ranks 1..tp-1 are SPAWNED processes (never forked: accelerators and fork do not
 mix), one per extra device, each loading only its shard. Every step, rank 0 sends the
-`SchedulerOutput` (plain data, pickled over one pipe per rank), then all ranks run the
-same forward; the layers' collectives (all-reduce after row-parallel matmuls, all-gather
-of the logits) keep them in lockstep, and rank 0 samples.
+`SchedulerOutput` as a delta against what the ranks already hold (`StepEncoder`,
+parallel/step_delta.py: new sequences whole, running ones as their new tokens and
+blocks; pickled over one pipe per rank), then all ranks run the same forward; the
+layers' collectives (all-reduce after row-parallel matmuls, all-gather of the logits)
+keep them in lockstep, and rank 0 samples.
 
 Failure: a watchdog thread waits on the rank processes' sentinels. A rank that exits
 marks the group failed: the step in flight raises `TensorParallelError` (its collective
@@ -44,6 +46,7 @@ from workers.engine.parallel.messages import (
     WriteBlocks,
 )
 from workers.engine.parallel.rank import build_runner
+from workers.engine.parallel.step_delta import StepEncoder
 from workers.engine.step_io import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -84,6 +87,7 @@ class TensorParallelRunner:
         self._fail_lock = threading.Lock()
         self._closing = False
         self._lock = threading.Lock()  # one pipe conversation at a time, in rank order
+        self._encoder = StepEncoder()  # what every rank holds of the running sequences
         init_method = f"tcp://127.0.0.1:{free_port()}"
         # CPU ranks share the host's cores: split the intra-op threads between them
         threads = max(1, torch.get_num_threads() // self.tp_size) if devices[0] == "cpu" \
@@ -161,16 +165,18 @@ class TensorParallelRunner:
         with self._lock:
             self._raise_if_failed()
             per_rank = self._split_loads(out.blocks_to_load)
-            # NOTE: the other ranks never sample: they get the step without the token
-            # histories (which grow with every step), only what the forward reads
-            slim = [replace(seq, prompt_token_ids=[], output_token_ids=[])
-                    for seq in out.scheduled]
             try:
+                # NOTE: the other ranks never sample: the delta carries no token histories,
+                # only what their forward reads
+                delta = self._encoder.encode(out)
                 for rank, conn in enumerate(self._conns, start=1):
-                    conn.send(RunStep(replace(out, scheduled=slim,
-                                              blocks_to_load=per_rank[rank])))
+                    conn.send(RunStep(delta, per_rank[rank]))
                 return self._local.execute(replace(out, blocks_to_load=per_rank[0]))
             except Exception as exc:
+                # NOTE: some ranks may hold this step and others not; today the group
+                # fails below and never runs another step, but should that change, the
+                # next delta resets every rank's cache and sends each sequence whole
+                self._encoder.reset()
                 raise self._step_error("a step", exc) from exc
 
     def read_blocks(self, block_ids: list[int]) -> list[bytes]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from workers.engine.step_io import SchedulerOutput
+from workers.engine.parallel.step_delta import StepDelta
 
 
 @dataclass(slots=True)
@@ -34,7 +34,8 @@ class RankSpec:
 
 @dataclass(slots=True)
 class RunStep:
-    out: SchedulerOutput  # blocks_to_load already cut down to this rank's slabs
+    delta: StepDelta  # the step against what the rank holds (parallel/step_delta.py)
+    blocks_to_load: list[tuple[int, bytes]]  # (block id, this rank's slab of the block)
 
 
 @dataclass(slots=True)

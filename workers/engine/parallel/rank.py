@@ -2,11 +2,12 @@
 shared with rank 0.
 
 A rank loads only its shard, builds a `ModelRunner` over its slice of the KV heads, says
-`RankReady`, then obeys rank 0's pipe: each `RunStep` runs the same forward (and logits
-collectives) as rank 0, without sampling. It exits on `Shutdown`, when rank 0's end of
-the pipe closes (rank 0 died), or on any error (after a `RankFailed`): a rank whose state
-is uncertain must not run another collective, and its exit makes the others' collectives
-fail at once instead of hanging.
+`RankReady`, then obeys rank 0's pipe: each `RunStep` is decoded against the sequences
+the rank holds (`StepDecoder`, parallel/step_delta.py) into the step's `SchedulerOutput`,
+and runs the same forward (and logits collectives) as rank 0, without sampling. It exits
+on `Shutdown`, when rank 0's end of the pipe closes (rank 0 died), or on any error (after
+a `RankFailed`): a rank whose state is uncertain must not run another collective, and its
+exit makes the others' collectives fail at once instead of hanging.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from workers.engine.parallel.messages import (
     Shutdown,
     WriteBlocks,
 )
+from workers.engine.parallel.step_delta import StepDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -94,10 +96,13 @@ def rank_main(spec: RankSpec, conn: Connection) -> None:
 
 
 def _serve(runner: Any, conn: Connection) -> None:
+    decoder = StepDecoder()
     while True:
         message = conn.recv()
         if isinstance(message, RunStep):
-            runner.execute_shard(message.out)
+            # NOTE: a delta that does not apply raises StepDeltaError before the forward:
+            # the rank fails (RankFailed, exit) rather than run a guessed block table
+            runner.execute_shard(decoder.decode(message.delta, message.blocks_to_load))
         elif isinstance(message, ReadBlocks):
             conn.send(BlocksRead(runner.read_blocks(message.block_ids)))
         elif isinstance(message, WriteBlocks):
