@@ -2,7 +2,8 @@
 
 Strict on types (a bool is not an integer, a string is not a number) so a client's mistake
 is reported instead of silently coerced. Model-dependent checks (does the model exist, does
-the prompt fit its context) happen where the tokenizer is, in the web layer.
+the prompt fit its context) happen where the tokenizer is, in the web layer, which then
+runs `JobRequest.check` against the model's limits (vocabulary, sampling ranges).
 """
 
 from __future__ import annotations
