@@ -2,7 +2,8 @@
 
 Strict on types (a bool is not an integer, a string is not a number) so a client's mistake
 is reported instead of silently coerced. Model-dependent checks (does the model exist, does
-the prompt fit its context) happen where the tokenizer is, in the web layer.
+the prompt fit its context) happen where the tokenizer is, in the web layer, which then
+runs `JobRequest.check` against the model's limits (vocabulary, sampling ranges).
 """
 
 from __future__ import annotations
@@ -12,12 +13,18 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from tasks.models import JobKind
-from tasks.params import SamplingParams
+from tasks.params import (
+    MAX_SEED,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    InvalidParamError,
+    ModelLimits,
+    SamplingParams,
+    check_token_ids,
+    text_problem,
+)
 
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_CHARS = 200
 MAX_MESSAGES = 1024
-MAX_SEED = 2**63 - 1
 PRIORITY_RANGE = (-1_000_000, 1_000_000)  # lower runs first
 MESSAGE_ROLES = ("system", "user", "assistant", "tool")
 
@@ -36,6 +43,12 @@ class SchemaError(ValueError):
         self.message = message
         self.param = param
 
+    @classmethod
+    def from_invalid_param(cls, exc: InvalidParamError) -> SchemaError:
+        """The request field of a parameter error (`stop_token_ids[3]` is field
+        `stop_token_ids`; the message keeps the element)."""
+        return cls(str(exc), exc.param.split("[", 1)[0])
+
 
 @dataclass(slots=True)
 class JobRequest:
@@ -51,6 +64,17 @@ class JobRequest:
         """The `jobs.params` column: `SamplingParams(**params_dict())` rebuilds it."""
         return asdict(self.params)
 
+    def check(self, limits: ModelLimits, prompt_token_ids: list[int]) -> None:
+        """The job against the served model: its sampling parameters and its prompt token
+        ids, given or tokenized (a tokenizer may know more tokens than the model's
+        embedding has rows). Raises SchemaError naming the field."""
+        try:
+            check_token_ids(prompt_token_ids, "messages" if self.messages else "prompt",
+                            limits.vocab_size)
+            self.params.check(limits)
+        except InvalidParamError as exc:
+            raise SchemaError.from_invalid_param(exc) from None
+
 
 def parse_job_request(body: Any, *, max_n: int) -> JobRequest:
     """Validate a decoded JSON body; raises SchemaError on the first problem found."""
@@ -64,6 +88,7 @@ def parse_job_request(body: Any, *, max_n: int) -> JobRequest:
     if not isinstance(model, str) or not model:
         raise SchemaError("model is required: the name of a served model (GET /v1/models)",
                           "model")
+    _text(model, "model")
     prompt, prompt_token_ids, messages = _parse_prompt(body)
     sampling: dict[str, Any] = {}
     for name in _INT_FIELDS:
@@ -90,10 +115,8 @@ def parse_job_request(body: Any, *, max_n: int) -> JobRequest:
                           "n")
     try:
         params = SamplingParams(**sampling)
-    except ValueError as exc:
-        message = str(exc)
-        field_name = message.split(" ", 1)[0]
-        raise SchemaError(message, field_name if field_name in _SAMPLING_FIELDS else None) from None
+    except InvalidParamError as exc:
+        raise SchemaError.from_invalid_param(exc) from None
     priority = 0
     if body.get("priority") is not None:
         priority = _int(body, "priority", *PRIORITY_RANGE)
@@ -161,9 +184,13 @@ def _float(body: dict[str, Any], name: str) -> float:
     value = body[name]
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise SchemaError(f"{name} must be a number, got {_json_type(value)}", name)
-    if not math.isfinite(value):
+    try:
+        number = float(value)
+    except OverflowError:  # an integer beyond float's range
+        raise SchemaError(f"{name} is out of range", name) from None
+    if not math.isfinite(number):
         raise SchemaError(f"{name} must be a finite number", name)
-    return float(value)
+    return number
 
 
 def _stop(value: Any) -> list[str]:
@@ -179,9 +206,9 @@ def _stop(value: Any) -> list[str]:
 
 
 def _text(value: str, name: str) -> str:
-    # NOTE: Postgres text cannot hold NUL, and no tokenizer means anything by it.
-    if "\x00" in value:
-        raise SchemaError(f"{name} must not contain NUL (\\u0000) characters", name)
+    problem = text_problem(value)
+    if problem is not None:
+        raise SchemaError(f"{name} must not contain {problem}", name)
     return value
 
 

@@ -8,6 +8,7 @@ HTML error page. Outages of Postgres or Redis are 503s that say which one is dow
 from __future__ import annotations
 
 import logging
+import re
 
 import kombu.exceptions
 import redis
@@ -60,6 +61,33 @@ def redis_unavailable() -> APIError:
     return APIError(503, "redis_unavailable",
                     "Redis (job queue and token streams) is unreachable; try again shortly "
                     "(operators: check LLMQ_REDIS_URL and that Redis is up)")
+
+
+# How the worker words a job it failed because of the request itself (checked before the
+# job reached a batch: the engine's `add_request` guards and the worker's parameter
+# check). Any other failure (a step that raised, a lost worker) is the server's fault.
+_PARAM_FAILURE = re.compile(  # tasks.params.InvalidParamError, maybe behind the prefix
+    r"^(?:invalid job parameters: )?(?P<param>[a-z_]+)(?:\[\d+\])? must be ")
+_CONTEXT_FAILURES = (
+    re.compile(r"> max_model_len \d+; shorten the prompt or lower max_tokens"),
+    re.compile(r"KV blocks .* lower max_tokens"),
+)
+_REQUEST_FAILURES = (re.compile(r"^invalid job parameters: "), re.compile(r"^prompt is empty"))
+
+
+def failed_job_error(job_id: str, error: str | None) -> APIError:
+    """The answer to a request whose job failed: a 400 naming the field when the request
+    caused it (the worker rejected it before it ran), else a 500 `job_failed`."""
+    message = f"job {job_id} failed: {error or 'unknown error'}"
+    text = error or ""
+    match = _PARAM_FAILURE.match(text)
+    if match is not None:
+        return APIError(400, "invalid_value", message, match["param"])
+    if any(pattern.search(text) for pattern in _CONTEXT_FAILURES):
+        return APIError(400, "context_length_exceeded", message, "max_tokens")
+    if any(pattern.search(text) for pattern in _REQUEST_FAILURES):
+        return APIError(400, "invalid_value", message)
+    return APIError(500, "job_failed", message, type="server_error")
 
 
 _HTTP_CODES = {400: "bad_request", 404: "not_found", 405: "method_not_allowed",

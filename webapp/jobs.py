@@ -31,15 +31,42 @@ bp = Blueprint("jobs", __name__, url_prefix="/v1/jobs")
 MAX_IDEMPOTENCY_KEY_CHARS = 200
 DEFAULT_PAGE_SIZE = 20
 MAX_PAGE_SIZE = 100
+# arrays and objects inside one another; a request body needs 4 (messages[i].content[j])
+MAX_JSON_DEPTH = 32
 
 
 def json_body() -> object:
-    """The request's JSON body; a 400 when it is not JSON (shapes are checked by the schema)."""
-    body = request.get_json(force=True, silent=True)
+    """The request's JSON body; a 400 when it is not JSON or nested deeper than
+    MAX_JSON_DEPTH (shapes are checked by the schema)."""
+    try:
+        body = request.get_json(force=True, silent=True)
+    except RecursionError:
+        # NOTE: json.loads recurses per level; ~1,000 levels exhaust the stack.
+        body = None
+        too_deep = True
+    else:
+        too_deep = body is not None and _nested_deeper_than(body, MAX_JSON_DEPTH)
+    if too_deep:
+        raise APIError(400, "invalid_json", f"the request body nests arrays and objects "
+                       f"deeper than {MAX_JSON_DEPTH} levels")
     if body is None:
         raise APIError(400, "invalid_json", "the request body must be JSON (Content-Type: "
                        "application/json) holding an object")
     return body
+
+
+def _nested_deeper_than(value: object, limit: int) -> bool:
+    """Whether arrays/objects nest more than `limit` levels (iterative: no recursion)."""
+    stack: list[tuple[object, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = list(item.values()) if isinstance(item, dict) else item
+        if isinstance(children, list):
+            stack.extend((child, depth + 1) for child in children
+                         if isinstance(child, (dict, list)))
+    return False
 
 
 @bp.post("")
@@ -252,7 +279,8 @@ def served_model(name: str) -> ServedModel:
 
 
 def tokenize(model: ServedModel, job_request: JobRequest) -> tuple[str | None, list[int]]:
-    """(prompt text, prompt token ids), checked against the model's context length."""
+    """(prompt text, prompt token ids), the job checked against the served model: its
+    context length, vocabulary and sampling limits (400 naming the field otherwise)."""
     if job_request.messages is not None:
         try:
             text: str | None = model.render_chat(job_request.messages)
@@ -261,9 +289,6 @@ def tokenize(model: ServedModel, job_request: JobRequest) -> tuple[str | None, l
         token_ids = model.encode_chat(text or "")
     elif job_request.prompt_token_ids is not None:
         text, token_ids = None, job_request.prompt_token_ids
-        if max(token_ids) >= model.vocab_size:
-            raise APIError(400, "invalid_value", f"prompt token ids must be below the "
-                           f"vocabulary size {model.vocab_size}", "prompt")
     else:
         text = job_request.prompt
         token_ids = model.encode(text or "")
@@ -274,6 +299,10 @@ def tokenize(model: ServedModel, job_request: JobRequest) -> tuple[str | None, l
                        f"{len(token_ids) + max_tokens} in all, but model {model.name!r} fits "
                        f"{model.max_model_len}; shorten the prompt or lower max_tokens",
                        "max_tokens" if len(token_ids) < model.max_model_len else "prompt")
+    try:
+        job_request.check(model.limits, token_ids)
+    except SchemaError as exc:
+        raise APIError(400, "invalid_value", exc.message, exc.param) from None
     return text, token_ids
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tasks.params import ModelLimits
 from tasks.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -35,7 +36,15 @@ class ServedModel:
     name: str
     path: str  # checkpoint directory
     max_model_len: int  # prompt tokens + max_tokens must fit in this
+    # rows of the model's embedding (config.json), the bound of every token id; NOTE: not
+    # len(tokenizer): a tokenizer may have fewer tokens (padded embeddings) or more
+    vocab_size: int
     tokenizer: Any  # a transformers tokenizer; thread-safe for encode/decode
+
+    @property
+    def limits(self) -> ModelLimits:
+        """What every request to this model is checked against (`SamplingParams.check`)."""
+        return ModelLimits(vocab_size=self.vocab_size, max_model_len=self.max_model_len)
 
     def encode(self, prompt: str) -> list[int]:
         """Token ids of a completion prompt (with the model's own special tokens, e.g. BOS)."""
@@ -62,23 +71,30 @@ class ServedModel:
         """Token ids of a rendered chat (the template already holds the special tokens)."""
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
-    @property
-    def vocab_size(self) -> int:
-        return len(self.tokenizer)
-
 
 def read_max_model_len(path: str, limit: int | None = None) -> int:
     """The context length from the checkpoint's config.json, capped by `limit` if given."""
+    length = _config_int(path, "max_position_embeddings")
+    return min(length, limit) if limit else length
+
+
+def read_vocab_size(path: str) -> int:
+    """The model's vocabulary size (embedding rows) from the checkpoint's config.json."""
+    return _config_int(path, "vocab_size")
+
+
+def _config_int(path: str, key: str) -> int:
+    """A positive integer of config.json (of its `text_config` for multimodal models)."""
     config_path = Path(path) / "config.json"
     try:
         config = json.loads(config_path.read_text())
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot read {config_path}: {exc}") from None
     text_config = config.get("text_config") or config
-    length = text_config.get("max_position_embeddings") or config.get("max_position_embeddings")
-    if not isinstance(length, int) or length < 1:
-        raise ModelLoadError(f"{config_path} has no max_position_embeddings")
-    return min(length, limit) if limit else length
+    value = text_config.get(key) or config.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ModelLoadError(f"{config_path} has no {key}")
+    return value
 
 
 class ModelRegistry:
@@ -119,6 +135,7 @@ class ModelRegistry:
 
     def _load(self, name: str, path: str) -> ServedModel:
         max_model_len = read_max_model_len(path, self._settings.max_model_len)
+        vocab_size = read_vocab_size(path)
         try:
             from transformers import AutoTokenizer
 
@@ -126,7 +143,7 @@ class ModelRegistry:
         except Exception as exc:  # noqa: BLE001 - transformers raises many types here
             raise ModelLoadError(f"cannot load the tokenizer of model {name!r} from {path}: "
                                  f"{exc}") from None
-        logger.info("loaded tokenizer of model %s from %s (max_model_len %d)", name, path,
-                    max_model_len)
+        logger.info("loaded tokenizer of model %s from %s (max_model_len %d, vocab_size %d)",
+                    name, path, max_model_len, vocab_size)
         return ServedModel(name=name, path=path, max_model_len=max_model_len,
-                           tokenizer=tokenizer)
+                           vocab_size=vocab_size, tokenizer=tokenizer)

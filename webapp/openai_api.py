@@ -28,7 +28,7 @@ from tasks.models import Job, JobKind, JobStatus
 from tasks.protocol import EventType, JobEvent
 from tasks.schema import SchemaError
 from webapp.auth import current_api_key_id
-from webapp.errors import APIError
+from webapp.errors import APIError, failed_job_error
 from webapp.events import terminal_event_from_row
 from webapp.jobs import cancel, json_body, served_model, submit_job, tokenize
 from webapp.openai_format import (
@@ -169,8 +169,9 @@ def _reload(svc: Services, job_id: str) -> Job | None:
         return session.get(Job, uuid.UUID(job_id))
 
 
-def _error_body(message: str, code: str) -> dict[str, Any]:
-    return {"error": {"type": "server_error", "message": message, "param": None, "code": code}}
+def _error_body(error: APIError) -> dict[str, Any]:
+    return {"error": {"type": error.type, "message": error.message, "param": error.param,
+                      "code": error.code}}
 
 
 # --- non-streaming -------------------------------------------------------------------------
@@ -200,8 +201,7 @@ def _wait_and_answer(svc: Services, job: Job, answer: Answer,
             break
     row = _reload(svc, job_id) or job
     if row.status == JobStatus.FAILED.value:
-        raise APIError(500, "job_failed", f"job {job_id} failed: {row.error or 'unknown error'}",
-                       type="server_error")
+        raise failed_job_error(job_id, row.error)
     outputs = {int(o.get("index", 0)): o for o in (row.output or [])}
     choices = []
     for i in range(answer.n):
@@ -280,8 +280,8 @@ def _stream(svc: Services, job: Job, answer: Answer) -> Iterator[str]:
             # the terminal event
             finished = True
             if event.type is EventType.ERROR:
-                yield "data: " + json.dumps(_error_body(
-                    f"job {job_id} failed: {event.error or 'unknown error'}", "job_failed")) + "\n\n"
+                body = _error_body(failed_job_error(job_id, event.error))
+                yield "data: " + json.dumps(body) + "\n\n"
                 yield "data: [DONE]\n\n"
                 return
             row = _reload(svc, job_id)

@@ -103,7 +103,14 @@ def parse_openai_request(body: Any, kind: JobKind, *, max_n: int) -> OpenAIReque
             job_body["logprobs"] = num_logprobs = 0 if top is None else top
         elif body.get("top_logprobs") is not None:
             raise SchemaError("top_logprobs needs logprobs: true", "top_logprobs")
-    job = parse_job_request(job_body, max_n=max_n)
+    try:
+        job = parse_job_request(job_body, max_n=max_n)
+    except SchemaError as exc:
+        if kind is JobKind.CHAT and exc.param == "logprobs":
+            # chat names the count top_logprobs (logprobs is its on/off switch)
+            raise SchemaError(exc.message.replace("logprobs", "top_logprobs", 1),
+                              "top_logprobs") from None
+        raise
     return OpenAIRequest(job=job, stream=stream, include_usage=include_usage, echo=echo,
                          num_logprobs=num_logprobs, fill_max_tokens=fill_max_tokens)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvcache.kv_cache_manager import KVCacheManager
-from tasks.params import SamplingParams
+from tasks.params import ModelLimits, SamplingParams, check_token_ids
 from workers.engine.config import EngineConfig, EngineStats, PromptTooLongError
 from workers.engine.detokenizer import IncrementalDetokenizer
 from workers.engine.outputs import CompletionDelta
@@ -159,13 +159,16 @@ class Engine:
     ) -> int:
         """Queue a request; returns its number of prompt tokens.
 
-        Raises PromptTooLongError when prompt + max_tokens exceeds max_model_len, and
-        ValueError for an empty prompt, bad token ids, a request the KV cache can never
-        hold, or a request id already in use.
+        Raises InvalidParamError (tasks.params) for parameters outside what the model and
+        the sampler take (the same check the API runs: nothing admitted here can make a
+        batched step raise), PromptTooLongError when prompt + max_tokens exceeds
+        max_model_len, and ValueError for an empty prompt, a request the KV cache can
+        never hold, or a request id already in use.
         """
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use; use a unique id")
-        params.validate()
+        # NOTE: the context length is checked below, with the prompt (PromptTooLongError)
+        params.check(ModelLimits(vocab_size=self._vocab_size(), max_model_len=None))
         prompt_token_ids = self.tokenize(prompt)
         num_prompt = len(prompt_token_ids)
         if num_prompt + params.max_tokens > self.max_model_len:
@@ -201,22 +204,19 @@ class Engine:
         return num_prompt
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        """Prompt token ids: a string is encoded, a token-id list checked and copied."""
-        if isinstance(prompt, str):
-            token_ids = list(self.tokenizer.encode(prompt))
-        else:
-            token_ids = list(prompt)
-            vocab_size = getattr(self.runner, "vocab_size", None)
-            for token_id in token_ids:
-                if not isinstance(token_id, int) or token_id < 0:
-                    raise ValueError(f"prompt token ids must be ints >= 0, got {token_id!r}")
-                if vocab_size is not None and token_id >= vocab_size:
-                    raise ValueError(
-                        f"prompt token id {token_id} is outside the vocabulary (size {vocab_size})"
-                    )
+        """Prompt token ids: a string is encoded, a token-id list copied; both checked
+        against the model's vocabulary (a tokenizer may know more tokens than the
+        embedding has rows)."""
+        token_ids = list(self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt)
+        check_token_ids(token_ids, "prompt", self._vocab_size())
         if not token_ids:
             raise ValueError("prompt is empty: give at least one token")
         return token_ids
+
+    def _vocab_size(self) -> int | None:
+        """The model's vocabulary (embedding rows); None for runners that do not say
+        (test doubles), whose token ids are then checked for sign only."""
+        return getattr(self.runner, "vocab_size", None)
 
     def abort_request(self, request_id: str) -> list[CompletionDelta]:
         """Stop a request; one CANCELLED delta per unfinished sample ([] if unknown)."""

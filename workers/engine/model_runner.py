@@ -73,6 +73,11 @@ class ModelRunner:
         return self._block_shape[2]
 
     @property
+    def vocab_size(self) -> int:
+        """Rows of the embedding (config.json `vocab_size`): every token id is below it."""
+        return self.loaded.config.vocab_size
+
+    @property
     def block_shape(self) -> tuple[int, ...]:
         """[2, num_layers, block_size, num_kv_heads (of this rank), head_dim]"""
         return self._block_shape

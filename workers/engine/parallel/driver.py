@@ -130,6 +130,10 @@ class TensorParallelRunner:
         return self._local.block_size
 
     @property
+    def vocab_size(self) -> int:
+        return self._local.vocab_size
+
+    @property
     def dtype(self) -> Any:
         return self._local.dtype
 
