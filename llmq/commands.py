@@ -143,11 +143,18 @@ def cmd_make_model(args: argparse.Namespace) -> int:
         print(f"{args.out_dir} already holds a checkpoint; left as is", file=sys.stderr)
         print(args.out_dir)
         return 0
+    import time
+
     from workers.engine.make_model import make_model
+
+    started = time.monotonic()
+
+    def progress(step: str) -> None:
+        print(f"  {step}... ({time.monotonic() - started:.1f}s)", file=sys.stderr, flush=True)
 
     try:
         path = make_model(args.out_dir, arch=args.arch, preset=args.preset, seed=args.seed,
-                          dtype=args.dtype, overwrite=args.force)
+                          dtype=args.dtype, overwrite=args.force, progress=progress)
     except FileExistsError as exc:
         raise CommandError(f"{exc}; pass --force to replace it, or --if-missing to keep "
                            "it") from None

@@ -115,12 +115,34 @@ def _model(args: argparse.Namespace, state_dir: Path) -> tuple[str, str]:
         _say(f"creating a {args.demo_preset} demo checkpoint (random weights: it writes "
              f"gibberish) in {path}; this happens on the first run only...")
         started = time.monotonic()
-        from workers.engine.make_model import make_model
-
-        make_model(path, preset=args.demo_preset, seed=0,
-                   progress=lambda step: _say(f"  {step} ({time.monotonic() - started:.1f}s)"))
+        _make_demo_model(path, args.demo_preset)
         _say(f"demo checkpoint ready in {time.monotonic() - started:.1f}s")
     return args.model_name or "demo", str(path)
+
+
+def _make_demo_model(path: Path, preset: str) -> None:
+    """`llmq make-model` as a child process, its progress lines passed on.
+
+    NOTE: a child, so this process never loads torch: it supervises for hours, and an
+    interpreter holding torch and transformers takes seconds to exit after a stop.
+    """
+    import subprocess
+
+    env = dict(os.environ, LLMQ_LOG_LEVEL="WARNING", TQDM_DISABLE="1")
+    repo_root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH")) if p)
+    command = python_command("-m", "llmq.cli", "make-model", str(path), "--preset", preset,
+                             "--seed", "0", "--if-missing")
+    with subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True) as child:
+        assert child.stdout is not None
+        tail: list[str] = []
+        for line in child.stdout:
+            tail = (tail + [line.rstrip()])[-20:]
+            if line.startswith("  "):  # make-model's progress lines
+                _say(line.rstrip())
+        if child.wait() != 0:
+            raise RuntimeError("creating the demo checkpoint failed:\n" + "\n".join(tail))
 
 
 def _not_a_checkpoint(given: str, path: Path) -> str:

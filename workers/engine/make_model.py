@@ -258,6 +258,7 @@ def _move_into_place(tmp: Path, out: Path) -> None:
 def _write_checkpoint(out: Path, arch: str, p: Preset, preset: str, seed: int, dtype: str,
                       tie_word_embeddings: bool, rope_scaling: bool,
                       max_shard_size: str | None, progress: Callable[[str], None]) -> None:
+    progress("loading torch and transformers")
     import torch
     from transformers import GenerationConfig, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
