@@ -9,6 +9,7 @@ WORKDIR /app
 RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
 
 COPY pyproject.toml README.md ./
+COPY llmq llmq
 COPY webapp webapp
 COPY tasks tasks
 COPY workers workers

@@ -11,10 +11,12 @@ import argparse
 import logging
 import os
 import sys
+from typing import Any
 
 from llmq.bench.args import add_cli_args as add_bench_args
 from llmq.bench.main import cmd_bench
 from llmq.commands import (
+    CommandError,
     cmd_beat,
     cmd_db_upgrade,
     cmd_keys_create,
@@ -24,6 +26,7 @@ from llmq.commands import (
     cmd_up,
     cmd_web,
 )
+from llmq.state import add_state_flags
 from llmq.submit import DEFAULT_URL, cmd_submit
 
 
@@ -48,86 +51,133 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # bad settings or arguments: say what to fix
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except CommandError as exc:  # a state the user can fix (no database, a lock held...)
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, except defaults that say nothing (None, False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        if "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("llmq")
+    except PackageNotFoundError:
+        return "unknown (not installed: pip install -e .)"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="llmq", description="LLM completions as durable asynchronous jobs. Settings come "
+        prog="llmq", formatter_class=HelpFormatter,
+        description="LLM completions as durable asynchronous jobs. Settings come "
         "from LLMQ_* environment variables (LLMQ_DATABASE_URL, LLMQ_REDIS_URL, LLMQ_MODELS...).")
+    parser.add_argument("--version", action="version", version=f"llmq {_version()}")
     sub = parser.add_subparsers(title="commands", metavar="COMMAND")
 
-    web = sub.add_parser("web", help="serve the HTTP API (gunicorn)",
-                         description="Serve the HTTP API with gunicorn's gthread workers: "
-                         "each open event stream holds one thread, so size --threads for "
-                         "the number of concurrent streams.")
-    web.add_argument("--host", default="0.0.0.0")
-    web.add_argument("--port", type=int, default=8000)
+    def command(parent: Any, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        return parent.add_parser(name, formatter_class=HelpFormatter, **kwargs)
+
+    web = command(sub, "web", help="serve the HTTP API (gunicorn)",
+                  description="Serve the HTTP API with gunicorn's gthread workers: "
+                  "each open event stream holds one thread, so size --threads for "
+                  "the number of concurrent streams.")
+    web.add_argument("--host", default="127.0.0.1",
+                     help="address to listen on (0.0.0.0: every interface; turn on "
+                     "LLMQ_AUTH_ENABLED before you expose the API)")
+    web.add_argument("--port", type=int, default=8000, help="TCP port")
     web.add_argument("--workers", type=int, default=2, help="gunicorn worker processes")
     web.add_argument("--threads", type=int, default=64, help="threads per worker process")
+    web.add_argument("--graceful-timeout", type=float, default=30.0,
+                     help="seconds open requests (event streams too) get to finish on "
+                     "SIGTERM; clients resume a cut stream with Last-Event-ID")
     web.add_argument("--dev", action="store_true",
                      help="werkzeug's development server instead of gunicorn")
+    add_state_flags(web)
     web.set_defaults(handler=cmd_web)
 
-    beat = sub.add_parser("beat", help="run the periodic maintenance (lease reclaim, stream "
-                          "expiry)", description="Run Celery beat with an embedded worker "
-                          "for the maintenance tasks. Run exactly one per deployment.")
-    beat.add_argument("--loglevel", default="INFO")
+    beat = command(sub, "beat", help="run the periodic maintenance (lease reclaim, stream "
+                   "expiry)", description="Run Celery beat with an embedded worker "
+                   "for the maintenance tasks. Run exactly one per deployment.")
+    beat.add_argument("--loglevel", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    add_state_flags(beat)
     beat.set_defaults(handler=cmd_beat)
 
-    db = sub.add_parser("db", help="database schema", description="Database schema commands.")
+    db = command(sub, "db", help="database schema", description="Database schema commands.")
     db_sub = db.add_subparsers(title="db commands", metavar="COMMAND")
-    upgrade = db_sub.add_parser("upgrade", help="migrate the database to the newest schema",
-                                description="Apply every migration (alembic upgrade head) "
-                                "to LLMQ_DATABASE_URL.")
+    upgrade = command(db_sub, "upgrade", help="migrate the database to the newest schema",
+                      description="Apply every migration (alembic upgrade head) to the "
+                      "database (the same one `llmq up` uses when run in this directory).")
+    add_state_flags(upgrade)
     upgrade.set_defaults(handler=cmd_db_upgrade)
 
-    keys = sub.add_parser("keys", help="API keys", description="Manage API keys.")
+    keys = command(sub, "keys", help="API keys", description="Manage API keys (in the "
+                   "same database `llmq up` uses when run in this directory).")
     keys_sub = keys.add_subparsers(title="keys commands", metavar="COMMAND")
-    create = keys_sub.add_parser("create", help="create a key and print it (once)",
-                                 description="Create an API key; the key is printed once "
-                                 "and only its hash is stored.")
+    create = command(keys_sub, "create", help="create a key and print it (once)",
+                     description="Create an API key; the key is printed once "
+                     "and only its hash is stored.")
     create.add_argument("name", help="who or what the key is for")
+    add_state_flags(create)
     create.set_defaults(handler=cmd_keys_create)
-    listing = keys_sub.add_parser("list", help="list keys (ids and names, never the keys)",
-                                  description="List API keys.")
+    listing = command(keys_sub, "list", help="list keys (ids and names, never the keys)",
+                      description="List API keys.")
+    add_state_flags(listing)
     listing.set_defaults(handler=cmd_keys_list)
-    revoke = keys_sub.add_parser("revoke", help="revoke a key by id",
-                                 description="Revoke an API key by its id.")
-    revoke.add_argument("key_id")
+    revoke = command(keys_sub, "revoke", help="revoke a key by id",
+                     description="Revoke an API key by its id.")
+    revoke.add_argument("key_id", help="the key's id (see `llmq keys list`)")
+    add_state_flags(revoke)
     revoke.set_defaults(handler=cmd_keys_revoke)
 
-    make = sub.add_parser("make-model", help="write a small random checkpoint",
-                          description="Write a random checkpoint (tokenizer included) for "
-                          "demos and tests.")
-    make.add_argument("out_dir")
-    make.add_argument("--arch", default="qwen3", help="qwen3, qwen2 or llama")
-    make.add_argument("--preset", default="tiny", help="tiny, small or 100m")
-    make.add_argument("--seed", type=int, default=0)
-    make.add_argument("--dtype", default="float32")
-    make.add_argument("--if-missing", action="store_true",
-                      help="do nothing when OUT_DIR already holds a checkpoint (config.json)")
+    from workers.engine.make_model import ARCHITECTURES, PRESETS  # plain data, no torch
+
+    make = command(sub, "make-model", help="write a small random checkpoint",
+                   description="Write a random checkpoint (tokenizer included) for "
+                   "demos and tests. It is written beside OUT_DIR and renamed into place, "
+                   "so a failed run leaves nothing behind.")
+    make.add_argument("out_dir", help="directory to create")
+    make.add_argument("--arch", default="qwen3", choices=sorted(ARCHITECTURES),
+                      help="model architecture")
+    make.add_argument("--preset", default="tiny", choices=list(PRESETS), help="model size")
+    make.add_argument("--seed", type=int, default=0, help="random seed of the weights")
+    make.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                      help="weights dtype")
+    existing = make.add_mutually_exclusive_group()
+    existing.add_argument("--if-missing", action="store_true",
+                          help="do nothing when OUT_DIR already holds a checkpoint")
+    existing.add_argument("--force", action="store_true",
+                          help="replace what OUT_DIR holds")
     make.set_defaults(handler=cmd_make_model)
 
-    up = sub.add_parser("up", help="run the whole stack on this machine (embedded Redis, "
-                        "SQLite, one CPU worker, beat, the API)",
-                        description="Run everything on one machine: SQLite in the state "
-                        "directory (unless --database-url / LLMQ_DATABASE_URL), an embedded "
-                        "Redis (unless --redis-url / LLMQ_REDIS_URL), one CPU worker, beat "
-                        "and the API. Without --model, a small random demo checkpoint is "
-                        "created on first run. Ctrl-C stops everything.")
-    up.add_argument("--host", default="127.0.0.1")
-    up.add_argument("--port", type=int, default=8000)
-    up.add_argument("--state-dir", default=".llmq",
-                    help="database, Redis data, demo model and logs (default ./.llmq)")
-    up.add_argument("--model", metavar="DIR", help="checkpoint directory to serve")
+    up = command(sub, "up", help="run the whole stack on this machine (embedded Redis, "
+                 "SQLite, one CPU worker, beat, the API)",
+                 description="Run everything on one machine: SQLite in the state "
+                 "directory (unless --database-url / LLMQ_DATABASE_URL), an embedded "
+                 "Redis (unless --redis-url / LLMQ_REDIS_URL), one CPU worker, beat "
+                 "and the API. Without --model, a small random demo checkpoint is "
+                 "created on first run. Ctrl-C stops everything.")
+    up.add_argument("--host", default="127.0.0.1", help="address the API listens on")
+    up.add_argument("--port", type=int, default=8000, help="TCP port of the API")
+    add_state_flags(up)
+    up.add_argument("--model", metavar="DIR", help="checkpoint directory to serve (download "
+                    "a hub model first: huggingface-cli download ID --local-dir DIR)")
     up.add_argument("--model-name", help="served name (default: the directory's name, or "
                     "demo)")
     up.add_argument("--demo-preset", default="small", choices=["tiny", "small"],
                     help="size of the demo checkpoint created without --model")
-    up.add_argument("--database-url", help="default: sqlite:///<state dir>/llmq.db")
     up.add_argument("--redis-url", help="default: an embedded Redis on --redis-port")
     up.add_argument("--redis-port", type=int, help="port of the embedded Redis (default: free)")
-    up.add_argument("--web-threads", type=int, default=32)
+    up.add_argument("--web-threads", type=int, default=32, help="threads of the API process")
     up.add_argument("--ready-timeout", type=float, default=300.0,
                     help="seconds to wait for the worker to load the model")
     up.set_defaults(handler=cmd_up)
@@ -135,17 +185,20 @@ def build_parser() -> argparse.ArgumentParser:
     # `llmq worker ...` is handed whole to workers.main.main (see main()); listed for --help
     sub.add_parser("worker", help="run a device-group worker (see `llmq worker --help`)")
 
-    submit = sub.add_parser("submit", help="submit a job and print its tokens as they stream",
-                            description="Submit a completion job to a running API and print "
-                            "its text as it streams.")
-    submit.add_argument("prompt")
+    submit = command(sub, "submit", help="submit a job and print its tokens as they stream",
+                     description="Submit a completion job to a running API and print "
+                     "its text as it streams.")
+    submit.add_argument("prompt", help="the prompt text")
     submit.add_argument("--model", help="served model (default: the first of /v1/models)")
-    submit.add_argument("--max-tokens", type=int, default=64)
-    submit.add_argument("--temperature", type=float, default=None)
-    submit.add_argument("--seed", type=int, default=None)
+    submit.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    submit.add_argument("--temperature", type=float, default=None,
+                        help="sampling temperature (default: the server's, 1.0)")
+    submit.add_argument("--seed", type=int, default=None, help="sampling seed")
     submit.add_argument("--chat", action="store_true", help="send the prompt as a user message")
-    submit.add_argument("--url", default=os.environ.get("LLMQ_URL", DEFAULT_URL))
-    submit.add_argument("--api-key", default=os.environ.get("LLMQ_API_KEY"))
+    submit.add_argument("--url", default=os.environ.get("LLMQ_URL", DEFAULT_URL),
+                        help="the API's base URL ($LLMQ_URL)")
+    submit.add_argument("--api-key", default=os.environ.get("LLMQ_API_KEY"),
+                        help="API key when the server requires one (default: $LLMQ_API_KEY)")
     submit.set_defaults(handler=cmd_submit)
 
     bench = sub.add_parser("bench", help="benchmark a serving endpoint (vLLM's `bench serve` "

@@ -12,13 +12,25 @@ import socket
 import sys
 from typing import Any
 
-from tasks.settings import Settings
+from llmq.state import database_url_of, settings_of, state_dir_of, upgrade_command
 
 logger = logging.getLogger(__name__)
 
 
+class CommandError(RuntimeError):
+    """A state the user can fix; `llmq` prints the message as one line and exits 1."""
+
+
+def _export_state(args: argparse.Namespace) -> None:
+    """Put the command's state flags in the environment of the process (and of the
+    processes it starts, e.g. gunicorn's workers), where `Settings.from_env` reads them."""
+    os.environ["LLMQ_STATE_DIR"] = str(state_dir_of(args))
+    os.environ["LLMQ_DATABASE_URL"] = database_url_of(args)
+
+
 def cmd_web(args: argparse.Namespace) -> int:
-    settings = Settings.from_env()
+    _export_state(args)
+    settings = settings_of(args)
     if args.dev:
         from werkzeug.serving import run_simple
 
@@ -31,7 +43,8 @@ def cmd_web(args: argparse.Namespace) -> int:
     command = [sys.executable, "-m", "gunicorn", "webapp.wsgi:app",
                "--bind", f"{args.host}:{args.port}", "--workers", str(args.workers),
                "--worker-class", "gthread", "--threads", str(args.threads),
-               "--timeout", "120", "--graceful-timeout", "30", "--access-logfile", "-"]
+               "--timeout", "120", "--graceful-timeout", f"{args.graceful_timeout:g}",
+               "--access-logfile", "-"]
     logger.info("serving the API on %s:%d (%d processes x %d threads)", args.host, args.port,
                 args.workers, args.threads)
     os.execv(sys.executable, command)  # gunicorn takes over this process and its signals
@@ -48,7 +61,8 @@ def cmd_beat(args: argparse.Namespace) -> int:
     from tasks.celery_app import create_celery, maintenance_queue
     from tasks.maintenance import register_maintenance_tasks
 
-    settings = Settings.from_env()
+    _export_state(args)
+    settings = settings_of(args)
     app = create_celery(settings, beat=True)
     register_maintenance_tasks(app, settings)
     app.worker_main([
@@ -60,34 +74,47 @@ def cmd_beat(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_db_upgrade(_args: argparse.Namespace) -> int:
+def cmd_db_upgrade(args: argparse.Namespace) -> int:
+    import sqlalchemy
+
     from tasks.db import upgrade_database
 
-    upgrade_database(Settings.from_env().database_url)
+    url = database_url_of(args)
+    try:
+        upgrade_database(url)
+    except sqlalchemy.exc.DBAPIError as exc:
+        reason = str(exc.orig).strip().splitlines()[0] if exc.orig else type(exc).__name__
+        raise CommandError(f"cannot migrate the database: {reason}") from None
     print("database is at the newest schema")
     return 0
 
 
-def _session_factory() -> Any:
-    from tasks.db import create_db_engine, make_sessionmaker
+def _session_factory(args: argparse.Namespace) -> Any:
+    """Sessions on the command's database, once it is known to be migrated."""
+    from tasks.db import DatabaseNotReady, check_schema, create_db_engine, make_sessionmaker
 
-    return make_sessionmaker(create_db_engine(Settings.from_env().database_url))
+    url = database_url_of(args)
+    try:
+        check_schema(url, upgrade_command(args))
+    except DatabaseNotReady as exc:
+        raise CommandError(str(exc)) from None
+    return make_sessionmaker(create_db_engine(url))
 
 
 def cmd_keys_create(args: argparse.Namespace) -> int:
     from tasks.auth import create_api_key
 
-    key_id, key = create_api_key(_session_factory(), args.name)
+    key_id, key = create_api_key(_session_factory(args), args.name)
     print(f"created API key {key_id} ({args.name}); it is shown only this once:",
           file=sys.stderr)
     print(key)
     return 0
 
 
-def cmd_keys_list(_args: argparse.Namespace) -> int:
+def cmd_keys_list(args: argparse.Namespace) -> int:
     from tasks.auth import list_api_keys
 
-    for row in list_api_keys(_session_factory()):
+    for row in list_api_keys(_session_factory(args)):
         state = f"revoked {row.revoked_at:%Y-%m-%d %H:%M}" if row.revoked_at else "active"
         print(f"{row.id}  {row.created_at:%Y-%m-%d %H:%M}  {state:<24} {row.name}")
     return 0
@@ -102,7 +129,7 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
         key_id = uuid.UUID(args.key_id)
     except ValueError:
         raise ValueError(f"{args.key_id!r} is not a key id (see `llmq keys list`)") from None
-    if not revoke_api_key(_session_factory(), key_id):
+    if not revoke_api_key(_session_factory(args), key_id):
         print(f"error: no active key {key_id}", file=sys.stderr)
         return 1
     print(f"revoked {key_id}")
@@ -116,9 +143,20 @@ def cmd_make_model(args: argparse.Namespace) -> int:
         print(f"{args.out_dir} already holds a checkpoint; left as is", file=sys.stderr)
         print(args.out_dir)
         return 0
+    import time
+
     from workers.engine.make_model import make_model
 
-    path = make_model(args.out_dir, arch=args.arch, preset=args.preset, seed=args.seed,
-                      dtype=args.dtype)
+    started = time.monotonic()
+
+    def progress(step: str) -> None:
+        print(f"  {step}... ({time.monotonic() - started:.1f}s)", file=sys.stderr, flush=True)
+
+    try:
+        path = make_model(args.out_dir, arch=args.arch, preset=args.preset, seed=args.seed,
+                          dtype=args.dtype, overwrite=args.force, progress=progress)
+    except FileExistsError as exc:
+        raise CommandError(f"{exc}; pass --force to replace it, or --if-missing to keep "
+                           "it") from None
     print(path)
     return 0

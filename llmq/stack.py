@@ -132,6 +132,7 @@ class LocalStack:
         """Stop every child, last started first, each with SIGTERM then SIGKILL; wait."""
         for child in reversed(self.children):
             process = child.process
+            started = time.monotonic()
             if process.poll() is None:
                 try:
                     process.send_signal(signal.SIGTERM)
@@ -143,6 +144,7 @@ class LocalStack:
                 logger.warning("%s did not stop in time; killing it", child.name)
                 process.kill()
                 process.wait(10.0)
+            logger.info("%s stopped in %.1fs", child.name, time.monotonic() - started)
         self.children.clear()
 
 

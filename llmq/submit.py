@@ -37,8 +37,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
                 return _print_api_error(stream)
             return _print_events(iter_sse(stream.iter_lines(decode_unicode=True)))
     except requests.ConnectionError:
-        print(f"error: cannot reach the API at {url} (start it with `llmq web`, or pass --url)",
-              file=sys.stderr)
+        print(f"error: cannot reach the API at {url}: start the stack with `llmq up`, or "
+              "pass --url (or set LLMQ_URL) to reach one running elsewhere", file=sys.stderr)
         return 1
 
 

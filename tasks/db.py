@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from datetime import UTC, datetime
 from importlib import resources
+from pathlib import Path
 from typing import Any, cast
 
 import sqlalchemy
@@ -20,6 +21,11 @@ logger = logging.getLogger(__name__)
 
 # seconds a SQLite writer waits for the lock before giving up (web + worker + beat share it)
 SQLITE_BUSY_TIMEOUT_MS = 10_000
+
+
+class DatabaseNotReady(RuntimeError):
+    """The database is missing, unreachable or not at the newest schema; the message says
+    what to do (one line, for a command-line user)."""
 
 
 def utcnow() -> datetime:
@@ -34,6 +40,10 @@ def create_db_engine(url: str, **kwargs: Any) -> sqlalchemy.Engine:
     WAL journaling and a busy timeout so concurrent processes wait instead of failing.
     """
     if url.startswith("sqlite"):
+        path = sqlite_path(url)
+        if path is not None:
+            # NOTE: SQLite creates the file but not its directory (e.g. a fresh state dir)
+            path.parent.mkdir(parents=True, exist_ok=True)
         connect_args = dict(kwargs.pop("connect_args", {}))
         connect_args.setdefault("check_same_thread", False)
         connect_args.setdefault("timeout", SQLITE_BUSY_TIMEOUT_MS / 1000)
@@ -61,6 +71,20 @@ def create_db_engine(url: str, **kwargs: Any) -> sqlalchemy.Engine:
     return sqlalchemy.create_engine(
         url, pool_pre_ping=True, connect_args=connect_args, **kwargs
     )
+
+
+def sqlite_path(url: str) -> Path | None:
+    """The file of a SQLite URL; None for other databases and in-memory SQLite."""
+    try:
+        parsed = sqlalchemy.make_url(url)
+    except sqlalchemy.exc.ArgumentError:
+        return None
+    if parsed.get_backend_name() != "sqlite":
+        return None
+    database = parsed.database or ""
+    if database in ("", ":memory:") or database.startswith("file:"):
+        return None
+    return Path(database)
 
 
 def update_count(session: Session, statement: Any) -> int:
@@ -96,6 +120,35 @@ def upgrade_database(url: str) -> None:
 
     logger.info("upgrading database schema at %s", _redact(url))
     command.upgrade(alembic_config(url), "head")
+
+
+def check_schema(url: str, upgrade_command: str = "llmq db upgrade") -> None:
+    """Raise `DatabaseNotReady` unless the database at `url` exists, answers and is at the
+    newest schema. Never creates anything (a missing SQLite file stays missing)."""
+    for name in ("alembic.runtime.plugins", "alembic.runtime.migration"):
+        logging.getLogger(name).setLevel(logging.WARNING)  # a check, not news
+    from alembic.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+
+    where = _redact(url)
+    path = sqlite_path(url)
+    if path is not None and not path.exists():
+        raise DatabaseNotReady(f"no database at {path.resolve()}: run `{upgrade_command}` "
+                               "first (or start `llmq up` on the same state directory)")
+    engine = create_db_engine(url)
+    try:
+        with engine.connect() as conn:
+            current = MigrationContext.configure(conn).get_current_revision()
+    except sqlalchemy.exc.DBAPIError as exc:
+        reason = str(exc.orig).strip().splitlines()[0] if exc.orig else type(exc).__name__
+        raise DatabaseNotReady(f"cannot reach the database at {where}: {reason}") from None
+    finally:
+        engine.dispose()
+    head = ScriptDirectory.from_config(alembic_config(url)).get_current_head()
+    if current != head:
+        raise DatabaseNotReady(
+            f"the database at {where} is not migrated (schema {current or 'empty'}, newest "
+            f"{head}): run `{upgrade_command}`")
 
 
 def _redact(url: str) -> str:

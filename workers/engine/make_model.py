@@ -11,8 +11,13 @@ Nothing is downloaded: tests and benchmarks build their own models with this, an
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +30,9 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+ARCHITECTURES = {
+    "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
+}
 
 
 @dataclass(slots=True, frozen=True)
@@ -71,8 +78,40 @@ Every morning the market fills with voices, colours and the smell of fresh bread
 """
 
 
+# Syllables of the filler words that fill the tokenizer up to the model's vocabulary.
+_ONSETS = "b d f g k l m n p r s t v z".split()
+_VOWELS = "a e i o u".split()
+
+
+def _filler_words() -> Iterator[str]:
+    """' ba', ' be', ..., ' baba', ...: pronounceable words, in a fixed order."""
+    syllables = [c + v for c in _ONSETS for v in _VOWELS]
+    for length in itertools.count(1):
+        for parts in itertools.product(syllables, repeat=length):
+            yield "\u0120" + "".join(parts)  # byte-level BPE spells a leading space as Ġ
+
+
+def _pad_vocab(tokenizer, vocab_size: int):  # tokenizers.Tokenizer -> same
+    """The tokenizer with filler words appended to its BPE vocabulary, `vocab_size` in all.
+
+    NOTE: the corpus yields only a few hundred merges, fewer than a preset's vocabulary.
+    Without filler, ids past the trained vocabulary decode to nothing, so a random model
+    (which samples every id) emits token events with empty text. Filler entries have no
+    merge that produces them: encoding is unchanged, and every id decodes to a word.
+    """
+    from tokenizers import Tokenizer
+
+    state = json.loads(tokenizer.to_str())
+    vocab: dict[str, int] = state["model"]["vocab"]
+    words = (w for w in _filler_words() if w not in vocab)
+    while len(vocab) < vocab_size:
+        vocab[next(words)] = len(vocab)
+    return Tokenizer.from_str(json.dumps(state))
+
+
 def _train_tokenizer(out_dir: Path, vocab_size: int) -> tuple[dict[str, int], int]:
-    """Train a byte-level BPE tokenizer and save it for `AutoTokenizer`."""
+    """Train a byte-level BPE tokenizer of exactly `vocab_size` tokens (filler words after
+    the trained ones) and save it for `AutoTokenizer`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -87,6 +126,11 @@ def _train_tokenizer(out_dir: Path, vocab_size: int) -> tuple[dict[str, int], in
     )
     # Repeating the lines changes pair counts only, which is enough to rank merges.
     tokenizer.train_from_iterator(CORPUS.splitlines() * 4, trainer=trainer)
+    num_trained = tokenizer.get_vocab_size()
+    if num_trained < vocab_size:
+        logger.info("trained %d tokens; %d filler words fill the vocabulary", num_trained,
+                    vocab_size - num_trained)
+        tokenizer = _pad_vocab(tokenizer, vocab_size)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         eos_token="<|im_end|>",
@@ -162,41 +206,84 @@ def make_model(
     tie_word_embeddings: bool = False,
     rope_scaling: bool = False,
     max_shard_size: str | None = None,
+    overwrite: bool = False,
+    progress: Callable[[str], None] | None = None,
 ) -> Path:
     """Write a random `arch` checkpoint of `preset` size into `out_dir` and return its path.
 
     `rope_scaling=True` (llama only) adds a `llama3` rope scaling; `max_shard_size`
     (e.g. "200KB") writes a sharded checkpoint with a `model.safetensors.index.json`.
+    The checkpoint is written to a temporary directory beside `out_dir` and renamed into
+    place, so a failure leaves nothing half-written. An `out_dir` that holds anything
+    raises `FileExistsError` unless `overwrite`. `progress` hears each step's name.
     """
-    import torch
-    from transformers import GenerationConfig, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
-
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {sorted(ARCHITECTURES)}")
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     if rope_scaling and arch != "llama":
         raise ValueError("rope_scaling=True is only offered for arch='llama'")
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
-    torch_dtype = getattr(torch, dtype)
-    p = PRESETS[preset]
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
+        what = "a checkpoint" if (out / "config.json").exists() else "files"
+        raise FileExistsError(f"{out} already holds {what}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    tmp.chmod(0o755)  # mkdtemp's 0700 would keep the served checkpoint from other users
+    try:
+        _write_checkpoint(tmp, arch, PRESETS[preset], preset, seed, dtype,
+                          tie_word_embeddings, rope_scaling, max_shard_size,
+                          progress or (lambda _step: None))
+        _move_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("wrote %s", out)
+    return out
 
-    logger.info("training a %d-token BPE tokenizer", p.vocab_size)
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    """Rename the finished `tmp` to `out`; what `out` held is removed only after."""
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        os.replace(tmp, out)  # NOTE: rename(2) replaces an empty directory atomically
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    os.replace(out, old / out.name)
+    os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_checkpoint(out: Path, arch: str, p: Preset, preset: str, seed: int, dtype: str,
+                      tie_word_embeddings: bool, rope_scaling: bool,
+                      max_shard_size: str | None, progress: Callable[[str], None]) -> None:
+    progress("loading torch and transformers")
+    import torch
+    from transformers import GenerationConfig, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+
+    torch_dtype = getattr(torch, dtype)
+    step = f"training a {p.vocab_size}-token BPE tokenizer"
+    logger.info("%s", step)
+    progress(step)
     ids, tok_vocab = _train_tokenizer(out, p.vocab_size)
-    if tok_vocab < p.vocab_size:
-        # NOTE: ids past the tokenizer's vocabulary decode to nothing; the model's larger
-        # embedding matches real checkpoints whose vocab is padded.
-        logger.info("tokenizer has %d tokens (model vocab %d)", tok_vocab, p.vocab_size)
+    # NOTE: every model id has a token: ids past the tokenizer would decode to nothing
+    assert tok_vocab == p.vocab_size, (tok_vocab, p.vocab_size)
 
     config = _hf_config(arch, p, ids, tie_word_embeddings, rope_scaling)
     classes = {"qwen3": Qwen3ForCausalLM, "qwen2": Qwen2ForCausalLM, "llama": LlamaForCausalLM}
     torch.manual_seed(seed)
-    logger.info("building a random %s %s model", arch, preset)
+    step = f"building a random {arch} {preset} model"
+    logger.info("%s", step)
+    progress(step)
     model = classes[arch](config)
     _randomize(model, p.init_std, seed)
     model = model.to(torch_dtype)
     model.config.dtype = torch_dtype
+    num_params = sum(t.numel() for t in model.parameters())
+    step = f"saving {num_params / 1e6:.1f}M parameters ({dtype})"
+    logger.info("%s", step)
+    progress(step)
     save_kwargs = {"safe_serialization": True}
     if max_shard_size is not None:
         save_kwargs["max_shard_size"] = max_shard_size
@@ -205,9 +292,6 @@ def make_model(
     GenerationConfig(
         bos_token_id=ids["<|endoftext|>"], eos_token_id=eos, pad_token_id=ids["<|endoftext|>"]
     ).save_pretrained(out)
-    num_params = sum(t.numel() for t in model.parameters())
-    logger.info("wrote %s (%.1fM parameters, %s)", out, num_params / 1e6, dtype)
-    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -216,7 +300,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default="qwen3")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--force", action="store_true", help="replace what OUT_DIR holds")
     parser.add_argument("--tie-word-embeddings", action="store_true")
     parser.add_argument("--rope-scaling", action="store_true", help="llama3 rope scaling")
     parser.add_argument("--max-shard-size", default=None, help='e.g. "200MB"')
@@ -231,6 +316,7 @@ def main(argv: list[str] | None = None) -> None:
         tie_word_embeddings=args.tie_word_embeddings,
         rope_scaling=args.rope_scaling,
         max_shard_size=args.max_shard_size,
+        overwrite=args.force,
     )
     print(json.dumps({"model_dir": str(Path(args.out_dir).resolve())}))
 
