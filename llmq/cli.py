@@ -37,8 +37,10 @@ def main(argv: list[str] | None = None) -> int:
         from workers.main import main as worker_main
 
         return int(worker_main(argv[1:]) or 0)
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    # NOTE: the benchmark is a client only: it builds its own parser, so it imports
+    # nothing of the server (the full parser reads make-model's choices from the engine).
+    parser = build_bench_parser() if argv[:1] == ["bench"] else build_parser()
+    args = parser.parse_args(argv[1:] if argv[:1] == ["bench"] else argv)
     if not getattr(args, "handler", None):
         parser.print_help()
         return 2
@@ -201,12 +203,19 @@ def build_parser() -> argparse.ArgumentParser:
                         help="API key when the server requires one (default: $LLMQ_API_KEY)")
     submit.set_defaults(handler=cmd_submit)
 
-    bench = sub.add_parser("bench", help="benchmark a serving endpoint (vLLM's `bench serve` "
-                           "flags, table and JSON)", description="Benchmark an OpenAI-"
-                           "compatible server or llmq's jobs API with `vllm bench serve`'s "
-                           "flags, metrics, printed table and result JSON.")
-    add_bench_args(bench)
-    bench.set_defaults(handler=cmd_bench)
+    # listed for `llmq --help`; `llmq bench ...` is parsed by build_bench_parser()
+    sub.add_parser("bench", help="benchmark a serving endpoint (vLLM's `bench serve` flags, "
+                   "table and JSON; see `llmq bench --help`)", add_help=False)
+    return parser
+
+
+def build_bench_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="llmq bench", formatter_class=HelpFormatter,
+        description="Benchmark an OpenAI-compatible server or llmq's jobs API with `vllm "
+        "bench serve`'s flags, metrics, printed table and result JSON.")
+    add_bench_args(parser)
+    parser.set_defaults(handler=cmd_bench)
     return parser
 
 

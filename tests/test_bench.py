@@ -20,7 +20,7 @@ from llmq.bench.datasets import sample_prefix_repetition, sample_random
 from llmq.bench.main import run_benchmark
 from llmq.bench.prompts import WordVocabulary
 from llmq.bench.sse import SseParser
-from llmq.cli import build_parser
+from llmq.cli import build_bench_parser
 
 BACKENDS = ["openai", "openai-chat", "llmq-jobs"]
 FIRST_DELAY = 0.100  # s, request -> first chunk
@@ -189,7 +189,7 @@ def serve():
 
 
 def bench(base_url: str, *extra: str) -> dict[str, Any]:
-    args = build_parser().parse_args(["bench", "--base-url", base_url, "--disable-tqdm",
+    args = build_bench_parser().parse_args(["--base-url", base_url, "--disable-tqdm",
                                       "--random-input-len", "16", *extra])
     return run_benchmark(args)
 
