@@ -24,6 +24,12 @@ KERNEL_NAMES = (
     "silu_and_mul",
     "store_kv",
     "paged_attention",
+    "apply_penalties",
+    "greedy_sample",
+    "filter_min_p",
+    "sample_by_cdf",
+    "top_k_top_p_sample",
+    "gather_logprobs",
 )
 
 _overrides: dict[tuple[str, str], Callable] = {}
@@ -31,9 +37,9 @@ _chosen: dict[tuple[str, str], Callable] = {}
 
 
 def _reference(name: str) -> Callable:
-    from kernels import activation, attention, norms, rotary
+    from kernels import activation, attention, norms, rotary, sampling
 
-    for module in (norms, rotary, activation, attention):
+    for module in (norms, rotary, activation, attention, sampling):
         fn = getattr(module, name, None)
         if fn is not None:
             return fn

@@ -11,7 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tasks.params import SamplingParams
-from workers.engine.sampler import apply_penalties, sample
+from workers.engine.sampler import (
+    _uniform_for_step,
+    apply_penalties,
+    build_sampling_metadata,
+    sample,
+    sample_with_metadata,
+)
 from workers.engine.step_io import ScheduledSequence
 
 VOCAB = 64
@@ -306,3 +312,59 @@ def check_overhead(logits: torch.Tensor) -> None:
         seqs = [make_seq(params, output=[1, 2, 3]) for _ in range(64)]
         elapsed = best_time(lambda seqs=seqs: sample(logits, seqs))
         assert elapsed < budget, f"{name}: {elapsed * 1e3:.3f} ms per batch of 64"
+
+
+def test_metadata_reads_each_row_once_into_kernel_inputs() -> None:
+    vocab = 50
+    seqs = [
+        make_seq(SamplingParams(temperature=0.0, logprobs=3)),
+        make_seq(SamplingParams(temperature=0.7, top_k=80, seed=5), output=[9, 9]),
+        make_seq(SamplingParams(temperature=1.2, top_k=7, top_p=0.5, min_p=0.1)),
+        make_seq(SamplingParams(temperature=0.9, repetition_penalty=1.5, min_tokens=2,
+                                stop_token_ids=[11], logprobs=0), prompt=[4, 5], output=[6]),
+        make_seq(SamplingParams(temperature=0.0, frequency_penalty=0.5, min_tokens=3,
+                                stop_token_ids=[12], ignore_eos=True), output=[8, 8]),
+    ]
+    m = build_sampling_metadata(seqs, [2, 3], vocab, torch.device("cpu"))
+    assert m.num_rows == 5
+    assert m.random_rows == [1, 2, 3]
+    assert m.temperatures is not None and m.temperatures.shape == (3, 1)
+    assert m.temperatures.flatten().tolist() == pytest.approx([0.7, 1.2, 0.9])
+    assert m.min_p is not None and m.min_p.flatten().tolist() == pytest.approx([0.0, 0.1, 0.0])
+    # top_k=80 is past the vocabulary: no filter on row 1.
+    assert (m.filtered, m.unfiltered) == ([1], [0, 2])
+    assert m.top_k is not None and m.top_k.tolist() == [[7]]
+    assert m.top_p is not None and m.top_p.tolist() == [[0.5]]
+    assert m.num_candidates == 7
+    assert m.uniforms is not None and m.uniforms.dtype == torch.float64
+    assert float(m.uniforms[0]) == _uniform_for_step(5, 2)
+    # Row 3 masks its stop id and both EOS ids; row 4 ignores EOS, so only its stop id.
+    assert list(zip(m.masked_rows, m.masked_token_ids)) == [(3, 11), (3, 2), (3, 3), (4, 12)]
+    assert (m.logprob_rows, m.num_logprobs) == ([0, 3], [3, 0])
+    assert m.repetition_keys is not None and m.repetition_penalties is not None
+    assert sorted(m.repetition_keys.tolist()) == [3 * vocab + t for t in (4, 5, 6)]
+    assert m.repetition_penalties.tolist() == [1.0, 1.0, 1.0, 1.5, 1.0]
+    assert m.count_keys is not None and m.presence_frequency is not None
+    assert m.count_keys.tolist() == [4 * vocab + 8] * 2
+    assert m.presence_frequency[4].tolist() == [0.0, 0.5]
+
+    # Sampling from the metadata is `sample`: the same tokens and logprobs.
+    logits = random_logits(5, 31, vocab)
+    torch.manual_seed(0)
+    expected = sample(logits, seqs, eos_token_ids=[2, 3])
+    torch.manual_seed(0)
+    m = build_sampling_metadata(seqs, [2, 3], vocab, logits.device)
+    assert sample_with_metadata(logits, m) == expected
+
+
+def test_metadata_of_an_all_greedy_batch_holds_no_tensors() -> None:
+    seqs = [make_seq(SamplingParams(temperature=0.0)) for _ in range(4)]
+    m = build_sampling_metadata(seqs, [2], VOCAB, torch.device("cpu"))
+    assert m.random_rows == [] and m.temperatures is None and m.uniforms is None
+    assert m.repetition_keys is None and m.count_keys is None and m.masked_rows == []
+    # No random draw: torch's generator is left where it was.
+    torch.manual_seed(1)
+    build_sampling_metadata(seqs, [2], VOCAB, torch.device("cpu"))
+    after = torch.rand(1)
+    torch.manual_seed(1)
+    assert torch.equal(after, torch.rand(1))

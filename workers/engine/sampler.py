@@ -1,4 +1,4 @@
-"""The sampler: one token per row of the last-position logits, pure torch on any device.
+"""The sampler: one token per row of the last-position logits, on any device.
 
 `sample(logits, seqs, eos_token_ids)` applies, in order and only to the rows that ask:
 
@@ -22,17 +22,24 @@ bit-for-bit the same. Across device types the logits themselves differ.
 Logprobs (when `params.logprobs` is not None) come from the log-softmax of the model's raw
 logits, before penalties, masking and temperature: they describe what the model predicted,
 the same whatever sampling settings the client chose.
+
+This module is the engine side: it reads the rows' `SamplingParams` and token lists once
+per step into a `SamplingMetadata` (`build_sampling_metadata`), then runs the tensor
+kernels of `kernels/sampling.py` (through `kernels.dispatch`, so a backend may replace
+them) in the order above (`sample_with_metadata`).
 """
 
 from __future__ import annotations
 
 import logging
 from array import array
+from dataclasses import dataclass
 from itertools import chain
 
 import torch
 
-from tasks.params import SamplingParams
+import kernels
+from kernels.sampling import mask_tokens, num_nucleus_candidates
 from workers.engine.step_io import ScheduledSequence, TokenLogprobs
 
 logger = logging.getLogger(__name__)
@@ -40,8 +47,45 @@ logger = logging.getLogger(__name__)
 # Temperatures below this are treated as greedy: dividing by them overflows float32 logits.
 _MIN_TEMPERATURE = 1e-5
 _MASK64 = (1 << 64) - 1
-# Candidates tried first for a top-p nucleus; a full sort of the vocabulary costs far more.
-_NUCLEUS_CANDIDATES = 256
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    """One step's sampling inputs, built once from the scheduled rows.
+
+    Row i is `seqs[i]` of `build_sampling_metadata`; tensors are on the logits' device.
+    """
+
+    num_rows: int
+    # Penalties (None when no row has one): flat keys `row * vocab + token` of the
+    # logits. Repetition keys cover the prompt and output tokens of the rows with a
+    # repetition penalty; count keys each output token (once per occurrence) of the rows
+    # with a presence or frequency penalty (None as well when those rows have no output).
+    repetition_keys: torch.Tensor | None  # [num_keys] int64
+    # NOTE: the weights are float64, exactly the requested numbers: the kernel rounds them
+    # once to the logits' dtype.
+    repetition_penalties: torch.Tensor | None  # [num_rows] float64, 1.0 on rows without
+    count_keys: torch.Tensor | None  # [num_counted] int64
+    presence_frequency: torch.Tensor | None  # [num_rows, 2] float64, zeros on rows without
+    # min_tokens: (row, token id) pairs masked to -inf, the stop (and EOS) ids of the rows
+    # still short of their min_tokens.
+    masked_rows: list[int]
+    masked_token_ids: list[int]
+    # Rows drawn at random (temperature >= _MIN_TEMPERATURE), in row order; the others
+    # take the argmax. Every tensor below has one row per entry of random_rows.
+    random_rows: list[int]
+    temperatures: torch.Tensor | None  # [num_random, 1] float32
+    min_p: torch.Tensor | None  # [num_random, 1] float32; None when no random row has one
+    uniforms: torch.Tensor | None  # [num_random] float64 in [0, 1): seeded or torch's
+    # Positions in random_rows (not rows) with a top-k or a top-p, and those without.
+    filtered: list[int]
+    unfiltered: list[int]
+    top_k: torch.Tensor | None  # [num_filtered, 1] int64; vocab for rows without a top-k
+    top_p: torch.Tensor | None  # [num_filtered, 1] float32; 1.0 for rows without
+    num_candidates: int  # best tokens top_k_top_p_sample tries first
+    # Logprobs: the rows that asked, and the top-n each asked for.
+    logprob_rows: list[int]
+    num_logprobs: list[int]  # one per entry of logprob_rows
 
 
 def sample(
@@ -62,19 +106,157 @@ def sample(
         )
     if not seqs:
         return [], []
-    params = [s.params for s in seqs]
-    is_greedy = [p.temperature < _MIN_TEMPERATURE for p in params]
+    metadata = build_sampling_metadata(seqs, eos_token_ids or [], logits.shape[1],
+                                       logits.device)
+    return sample_with_metadata(logits, metadata)
 
-    scores = apply_penalties(logits, seqs)
-    scores = _mask_min_tokens(scores, seqs, eos_token_ids or [], copied=scores is not logits)
 
-    if all(is_greedy):
-        token_ids = scores.argmax(dim=-1)
+def build_sampling_metadata(
+    seqs: list[ScheduledSequence],
+    eos_token_ids: list[int],
+    vocab_size: int,
+    device: torch.device,
+) -> SamplingMetadata:
+    """Read every row's params and token lists once into the step's `SamplingMetadata`.
+
+    NOTE: draws the unseeded rows' uniforms from torch's global generator, so build it
+    once per step, right before sampling.
+    """
+    masked_rows: list[int] = []
+    masked_token_ids: list[int] = []
+    logprob_rows: list[int] = []
+    num_logprobs: list[int] = []
+    random_rows: list[int] = []
+    temperatures: list[float] = []
+    min_p: list[float] = []
+    seeded: list[int] = []  # positions in random_rows
+    seeded_uniforms: list[float] = []
+    filtered: list[int] = []
+    unfiltered: list[int] = []
+    top_k: list[int] = []
+    top_p: list[float] = []
+    for i, seq in enumerate(seqs):
+        p = seq.params
+        if p.min_tokens and len(seq.output_token_ids) < p.min_tokens:
+            # NOTE: with ignore_eos, EOS does not end the sequence, so it needs no mask.
+            ids = p.stop_token_ids if p.ignore_eos else p.stop_token_ids + eos_token_ids
+            masked_rows.extend([i] * len(ids))
+            masked_token_ids.extend(ids)
+        if p.logprobs is not None:
+            logprob_rows.append(i)
+            num_logprobs.append(p.logprobs)
+        if p.temperature < _MIN_TEMPERATURE:
+            continue
+        j = len(random_rows)
+        random_rows.append(i)
+        temperatures.append(p.temperature)
+        min_p.append(p.min_p)
+        if p.seed is not None:
+            seeded.append(j)
+            seeded_uniforms.append(_uniform_for_step(p.seed, len(seq.output_token_ids)))
+        if 0 < p.top_k < vocab_size or p.top_p < 1.0:
+            filtered.append(j)
+            top_k.append(p.top_k if 0 < p.top_k < vocab_size else vocab_size)
+            top_p.append(p.top_p)
+        else:
+            unfiltered.append(j)
+
+    temperatures_t = min_p_t = uniforms = top_k_t = top_p_t = None
+    if random_rows:
+        temperatures_t = torch.tensor(temperatures, device=device).unsqueeze(1)
+        if any(v > 0.0 for v in min_p):
+            min_p_t = torch.tensor(min_p, device=device).unsqueeze(1)
+        uniforms = torch.rand(len(random_rows), dtype=torch.float64, device=device)
+        if seeded:
+            uniforms[seeded] = torch.tensor(seeded_uniforms, dtype=torch.float64,
+                                            device=device)
+    if filtered:
+        top_k_t = torch.tensor(top_k, device=device).unsqueeze(1)
+        top_p_t = torch.tensor(top_p, device=device).unsqueeze(1)
+    repetition_keys, repetition_penalties, count_keys, presence_frequency = (
+        _penalty_inputs(seqs, vocab_size, device))
+    return SamplingMetadata(
+        num_rows=len(seqs),
+        repetition_keys=repetition_keys,
+        repetition_penalties=repetition_penalties,
+        count_keys=count_keys,
+        presence_frequency=presence_frequency,
+        masked_rows=masked_rows,
+        masked_token_ids=masked_token_ids,
+        random_rows=random_rows,
+        temperatures=temperatures_t,
+        min_p=min_p_t,
+        uniforms=uniforms,
+        filtered=filtered,
+        unfiltered=unfiltered,
+        top_k=top_k_t,
+        top_p=top_p_t,
+        num_candidates=num_nucleus_candidates(top_k, vocab_size) if top_k else 0,
+        logprob_rows=logprob_rows,
+        num_logprobs=num_logprobs,
+    )
+
+
+def sample_with_metadata(
+    logits: torch.Tensor, metadata: SamplingMetadata
+) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """`sample` over inputs already read from the rows: penalties, min_tokens masks,
+    greedy argmax or tempered / filtered draws, then logprobs of the raw logits."""
+    m = metadata
+    scores = kernels.apply_penalties(logits, m.repetition_keys, m.repetition_penalties,
+                                     m.count_keys, m.presence_frequency)
+    if m.masked_rows:
+        if scores is logits:
+            scores = scores.clone()
+        mask_tokens(scores, m.masked_rows, m.masked_token_ids)
+
+    if not m.random_rows:
+        token_ids = kernels.greedy_sample(scores)
     else:
-        token_ids = _sample_rows(scores, seqs, is_greedy)
+        token_ids = _sample_random_rows(scores, m, owned=scores is not logits)
 
     token_list: list[int] = token_ids.tolist()
-    return token_list, _gather_logprobs(logits, token_ids, token_list, seqs)
+    return token_list, _logprobs(logits, token_ids, token_list, m)
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[ScheduledSequence]) -> torch.Tensor:
+    """Return `logits` itself when no row has a penalty, else a penalised copy (step 1 of
+    `sample` alone, for the rows' params)."""
+    return kernels.apply_penalties(logits, *_penalty_inputs(seqs, logits.shape[1],
+                                                            logits.device))
+
+
+def _penalty_inputs(
+    seqs: list[ScheduledSequence], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None,
+           torch.Tensor | None]:
+    """(repetition_keys, repetition_penalties, count_keys, presence_frequency) of
+    `SamplingMetadata`."""
+    rep_rows = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0]
+    freq_rows = [
+        i for i, s in enumerate(seqs)
+        if s.params.presence_penalty != 0.0 or s.params.frequency_penalty != 0.0
+    ]
+    repetition_keys = repetition_penalties = count_keys = presence_frequency = None
+    if rep_rows:
+        repetition_keys = _flat_keys(
+            rep_rows,
+            [seqs[i].prompt_token_ids + seqs[i].output_token_ids for i in rep_rows],
+            vocab_size,
+            device,
+        )
+        repetition_penalties = torch.tensor(
+            [s.params.repetition_penalty for s in seqs], dtype=torch.float64, device=device
+        )
+    output_lists = [seqs[i].output_token_ids for i in freq_rows]
+    if any(output_lists):
+        count_keys = _flat_keys(freq_rows, output_lists, vocab_size, device)
+        presence_frequency = torch.tensor(
+            [[s.params.presence_penalty, s.params.frequency_penalty] for s in seqs],
+            dtype=torch.float64,
+            device=device,
+        )
+    return repetition_keys, repetition_penalties, count_keys, presence_frequency
 
 
 def _flat_keys(rows: list[int], token_lists: list[list[int]], vocab_size: int,
@@ -90,80 +272,6 @@ def _flat_keys(rows: list[int], token_lists: list[list[int]], vocab_size: int,
     return (row_ids * vocab_size + flat_ids).to(device)
 
 
-def apply_penalties(logits: torch.Tensor, seqs: list[ScheduledSequence]) -> torch.Tensor:
-    """Return `logits` itself when no row has a penalty, else a penalised copy.
-
-    Repetition first (HF/CTRL, over each distinct prompt or output token), then presence
-    and frequency (OpenAI: `logit -= presence * (count > 0) + frequency * count` over output
-    tokens). Only the touched entries are read and written.
-    """
-    rep_rows = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0]
-    freq_rows = [
-        i for i, s in enumerate(seqs)
-        if s.params.presence_penalty != 0.0 or s.params.frequency_penalty != 0.0
-    ]
-    if not rep_rows and not freq_rows:
-        return logits
-    vocab_size = logits.shape[1]
-    device = logits.device
-    out = logits.contiguous().clone()
-    flat = out.view(-1)
-
-    if rep_rows:
-        keys = _flat_keys(
-            rep_rows,
-            [seqs[i].prompt_token_ids + seqs[i].output_token_ids for i in rep_rows],
-            vocab_size,
-            device,
-        ).unique()
-        rep_by_row = torch.ones(len(seqs), dtype=out.dtype, device=device)
-        rep_by_row[rep_rows] = torch.tensor(
-            [seqs[i].params.repetition_penalty for i in rep_rows], dtype=out.dtype, device=device
-        )
-        rep = rep_by_row[keys // vocab_size]
-        values = flat[keys]
-        flat[keys] = torch.where(values > 0, values / rep, values * rep)
-
-    output_lists = [seqs[i].output_token_ids for i in freq_rows]
-    if any(output_lists):
-        keys, counts = _flat_keys(freq_rows, output_lists, vocab_size, device).unique(
-            return_counts=True
-        )
-        # [len(seqs), 2]: (presence, frequency) per row, zero for rows without them.
-        weights = torch.zeros((len(seqs), 2), dtype=out.dtype, device=device)
-        weights[freq_rows] = torch.tensor(
-            [[seqs[i].params.presence_penalty, seqs[i].params.frequency_penalty]
-             for i in freq_rows],
-            dtype=out.dtype,
-            device=device,
-        )
-        key_weights = weights[keys // vocab_size]
-        penalty = key_weights[:, 0] + key_weights[:, 1] * counts.to(out.dtype)
-        flat.index_add_(0, keys, -penalty)
-    return out
-
-
-def _mask_min_tokens(
-    scores: torch.Tensor, seqs: list[ScheduledSequence], eos_token_ids: list[int], copied: bool
-) -> torch.Tensor:
-    """Mask stop ids of rows short of min_tokens; copy `scores` first unless `copied`."""
-    rows: list[int] = []
-    cols: list[int] = []
-    for i, seq in enumerate(seqs):
-        p = seq.params
-        if p.min_tokens and len(seq.output_token_ids) < p.min_tokens:
-            # NOTE: with ignore_eos, EOS does not end the sequence, so it needs no mask.
-            ids = p.stop_token_ids if p.ignore_eos else p.stop_token_ids + eos_token_ids
-            rows.extend([i] * len(ids))
-            cols.extend(ids)
-    if not rows:
-        return scores
-    if not copied:
-        scores = scores.clone()
-    scores[rows, cols] = float("-inf")
-    return scores
-
-
 def _uniform_for_step(seed: int, step: int) -> float:
     """A uniform in [0, 1) from (request seed, output index): splitmix64, no torch RNG, so
     the value is the same on every device, process and torch version."""
@@ -173,144 +281,61 @@ def _uniform_for_step(seed: int, step: int) -> float:
     return ((x ^ (x >> 31)) >> 11) / float(1 << 53)
 
 
-def _uniforms(seqs: list[ScheduledSequence], device: torch.device) -> torch.Tensor:
-    """[len(seqs)] float64: seeded rows from their own stream, the others from torch's."""
-    u = torch.rand(len(seqs), dtype=torch.float64, device=device)
-    seeded = [i for i, s in enumerate(seqs) if s.params.seed is not None]
-    if seeded:
-        values = [
-            _uniform_for_step(seqs[i].params.seed or 0, len(seqs[i].output_token_ids))
-            for i in seeded
-        ]
-        u[seeded] = torch.tensor(values, dtype=torch.float64, device=device)
-    return u
-
-
-def _sample_rows(
-    scores: torch.Tensor, seqs: list[ScheduledSequence], is_greedy: list[bool]
-) -> torch.Tensor:
-    """Greedy rows take the argmax; the others are tempered, filtered and sampled."""
-    device = scores.device
-    vocab_size = scores.shape[1]
-    token_ids = scores.argmax(dim=-1) if any(is_greedy) else None
-    rows = [i for i, g in enumerate(is_greedy) if not g]
-    all_rows = token_ids is None
-    params = [seqs[i].params for i in rows]
-
-    temperature = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
-    x = (scores if all_rows else scores[rows]) / temperature
-    if any(p.min_p > 0.0 for p in params):
-        x = _filter_min_p(x, [p.min_p for p in params])
-    u = _uniforms([seqs[i] for i in rows], device)
-
-    filtered = [j for j, p in enumerate(params) if 0 < p.top_k < vocab_size or p.top_p < 1.0]
-    if not filtered:
-        sampled = _sample_by_cdf(x.softmax(dim=-1), u)
-    elif len(filtered) == len(rows):
-        sampled = _sample_top_k_top_p(x, params, u)
+def _sample_random_rows(scores: torch.Tensor, m: SamplingMetadata, owned: bool) -> torch.Tensor:
+    """Greedy rows take the argmax; the random ones are tempered, filtered and sampled.
+    `owned`: `scores` is the sampler's own copy, free to be overwritten."""
+    rows = m.random_rows
+    any_greedy = len(rows) < m.num_rows
+    token_ids = kernels.greedy_sample(scores) if any_greedy else None
+    temperatures = m.temperatures
+    assert temperatures is not None and m.uniforms is not None  # set with random_rows
+    # Divide in place when the tensor is ours (the gathered rows are a fresh copy) and
+    # keeps the quotient's dtype: the same numbers without a [rows, vocab] temporary.
+    in_place = torch.promote_types(scores.dtype, temperatures.dtype) == scores.dtype
+    if any_greedy:
+        x = scores[rows]
+        x = x.div_(temperatures) if in_place else x / temperatures
+    elif owned and in_place:
+        x = scores.div_(temperatures)
     else:
-        filtered_set = set(filtered)
-        plain = [j for j in range(len(rows)) if j not in filtered_set]
-        sampled = torch.empty(len(rows), dtype=torch.long, device=device)
-        sampled[plain] = _sample_by_cdf(x[plain].softmax(dim=-1), u[plain])
-        sampled[filtered] = _sample_top_k_top_p(
-            x[filtered], [params[j] for j in filtered], u[filtered]
-        )
+        x = scores / temperatures
+    if m.min_p is not None:
+        x = kernels.filter_min_p(x, m.min_p)
+    u = m.uniforms
+
+    if not m.filtered:
+        sampled = kernels.sample_by_cdf(x.softmax(dim=-1), u)
+    elif not m.unfiltered:
+        sampled = kernels.top_k_top_p_sample(x, m.top_k, m.top_p, u, m.num_candidates)
+    else:
+        plain, filtered = m.unfiltered, m.filtered
+        sampled = torch.empty(len(rows), dtype=torch.long, device=scores.device)
+        sampled[plain] = kernels.sample_by_cdf(x[plain].softmax(dim=-1), u[plain])
+        sampled[filtered] = kernels.top_k_top_p_sample(x[filtered], m.top_k, m.top_p,
+                                                       u[filtered], m.num_candidates)
     if token_ids is None:
         return sampled
     token_ids[rows] = sampled
     return token_ids
 
 
-def _sample_by_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sampling: row i picks the first index whose cumulative mass exceeds
-    u[i] times the row's total, so zero-probability entries are never picked."""
-    cdf = probs.cumsum(dim=-1)
-    total = cdf[:, -1:]
-    target = (u.unsqueeze(1) * total.double()).to(cdf.dtype)
-    # NOTE: float rounding may lift u * total up to total; stay strictly below it.
-    target = torch.minimum(target, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True).squeeze(1)
-
-
-def _sample_top_k_top_p(
-    x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor
-) -> torch.Tensor:
-    """Sample within each row's top-k, then within its top-p nucleus.
-
-    Works on the best candidates only (`topk`, not a full-vocabulary sort): rows with a
-    top-k need their k best; rows with only a top-p need as many as hold top_p of the
-    mass, tried with _NUCLEUS_CANDIDATES first and the whole sorted vocabulary if short.
-    """
-    vocab_size = x.shape[1]
-    device = x.device
-    top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
-    top_p = [p.top_p for p in params]
-    wanted = max(k if k < vocab_size else min(_NUCLEUS_CANDIDATES, vocab_size) for k in top_k)
-    k = torch.tensor(top_k, device=device).unsqueeze(1)
-    p = torch.tensor(top_p, device=device).unsqueeze(1)
-    # Rows without top-k normalise over the whole vocabulary, the others over their k best.
-    full_norm = k >= vocab_size
-    log_total = torch.logsumexp(x, dim=-1, keepdim=True)
-
-    while True:
-        if wanted < vocab_size:
-            values, ids = x.topk(wanted, dim=-1)
-        else:
-            values, ids = x.sort(dim=-1, descending=True)
-        ranks = torch.arange(values.shape[1], device=device).unsqueeze(0)
-        values = values.masked_fill(ranks >= k, float("-inf"))
-        log_norm = torch.where(full_norm, log_total, torch.logsumexp(values, dim=-1, keepdim=True))
-        probs = (values - log_norm).exp()
-        if wanted >= vocab_size or bool((probs.sum(-1, keepdim=True) >= p)[full_norm].all()):
-            break
-        logger.debug("top-p nucleus beyond %d candidates: sorting the vocabulary", wanted)
-        wanted = vocab_size
-
-    mass_before = probs.cumsum(dim=-1) - probs
-    # The nucleus is the shortest prefix whose mass reaches top_p; the best token stays.
-    outside = mass_before >= p
-    outside[:, 0] = False
-    probs = probs.masked_fill(outside, 0.0)
-    return ids.gather(1, _sample_by_cdf(probs, u).unsqueeze(1)).squeeze(1)
-
-
-def _filter_min_p(x: torch.Tensor, min_p: list[float]) -> torch.Tensor:
-    """Drop tokens whose probability is below min_p times the row's best, in log space.
-
-    Applied before top-k/top-p: min-p keeps a ratio to the best token, which renormalising
-    over a subset containing the best token does not change, so the order is immaterial.
-    """
-    threshold = torch.tensor(min_p, device=x.device).unsqueeze(1)
-    best = x.max(dim=-1, keepdim=True).values
-    # log(0) = -inf keeps everything for rows with min_p == 0.
-    return x.masked_fill(x < best + threshold.log(), float("-inf"))
-
-
-def _gather_logprobs(
-    logits: torch.Tensor,
-    token_ids: torch.Tensor,
-    token_list: list[int],
-    seqs: list[ScheduledSequence],
+def _logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, token_list: list[int], m: SamplingMetadata
 ) -> list[TokenLogprobs | None]:
     """Raw-model logprobs of the sampled token and the top-n, for the rows that asked."""
-    result: list[TokenLogprobs | None] = [None] * len(seqs)
-    rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-    if not rows:
+    result: list[TokenLogprobs | None] = [None] * m.num_rows
+    if not m.logprob_rows:
         return result
-    logprobs = torch.log_softmax(logits[rows].float(), dim=-1)
-    chosen = logprobs.gather(1, token_ids[rows].unsqueeze(1)).squeeze(1).tolist()
-    num_top = max(seqs[i].params.logprobs or 0 for i in rows)
-    top_values: list[list[float]] = [[] for _ in rows]
-    top_ids: list[list[int]] = [[] for _ in rows]
-    if num_top > 0:
-        values, ids = logprobs.topk(num_top, dim=-1)
-        top_values, top_ids = values.tolist(), ids.tolist()
-    for j, i in enumerate(rows):
-        n = seqs[i].params.logprobs or 0
+    chosen, top_values, top_ids = kernels.gather_logprobs(
+        logits, token_ids, m.logprob_rows, max(m.num_logprobs)
+    )
+    chosen_list: list[float] = chosen.tolist()
+    values_list: list[list[float]] = top_values.tolist()
+    ids_list: list[list[int]] = top_ids.tolist()
+    for j, (i, n) in enumerate(zip(m.logprob_rows, m.num_logprobs)):
         result[i] = TokenLogprobs(
             token_id=token_list[i],
-            logprob=chosen[j],
-            top=list(zip(top_ids[j][:n], top_values[j][:n])),
+            logprob=chosen_list[j],
+            top=list(zip(ids_list[j][:n], values_list[j][:n])),
         )
     return result
