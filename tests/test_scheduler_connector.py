@@ -53,7 +53,7 @@ class HeldConnector:
     flight until `release`, the others finish at the next step (like a fast tier)."""
 
     def __init__(self, runner: KVRunner, store: dict[BlockHash, bytes],
-                 hold: set[int] = frozenset()) -> None:
+                 hold: tuple[int, ...] = ()) -> None:
         self.runner = runner
         self.store = store
         self.hold = set(hold)

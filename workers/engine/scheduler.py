@@ -296,6 +296,8 @@ class Scheduler:
 
     def _hold_hit(self, seq: Sequence, computed_blocks: list[int], num_cached: int) -> None:
         """Reference a sequence's device-hit blocks while its lookup is in flight."""
+        if not computed_blocks:
+            return
         table = self.kv_manager.allocate_slots(
             seq.seq_id, seq.token_ids, num_cached, 0, computed_block_ids=computed_blocks)
         if table is not None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,6 +38,7 @@ from kvcache.block_format import BlockMeta, make_fingerprint
 from kvcache.hashing import BlockHash, hash_full_blocks
 from kvcache.offload import KVOffloadManager
 from kvcache.offload_stats import OffloadStats
+from kvcache.tier_book import LRUCounter
 
 if TYPE_CHECKING:
     from workers.engine.sequence import Sequence
@@ -97,23 +98,6 @@ class TierConnectorStats:
     num_read_failures: int = 0  # device reads that raised (blocks not stored)
 
 
-class _LRUSet:
-    """A bounded set; the least recently added or touched key is forgotten first."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._keys: OrderedDict[bytes, None] = OrderedDict()
-
-    def add(self, key: bytes) -> None:
-        self._keys[key] = None
-        self._keys.move_to_end(key)
-        if len(self._keys) > self.capacity:
-            self._keys.popitem(last=False)
-
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._keys
-
-
 class TierConnector:
     """Looks prefixes up in, and offloads ended sequences' blocks to, the KV tiers.
 
@@ -140,8 +124,8 @@ class TierConnector:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmq-kv-lookup")
         self._to_load: list[tuple[int, bytes]] = []  # this step's (block id, payload)
         # hashes stored (or loaded from a tier) lately: not worth a device read again
-        self._known = _LRUSet(known_capacity)
-        self._seen_once = _LRUSet(known_capacity)  # the reuse filter's first sightings
+        self._known = LRUCounter(known_capacity)
+        self._seen_once = LRUCounter(known_capacity)  # the reuse filter's first sightings
         self._stats = TierConnectorStats()
         self._lock = threading.Lock()  # the stats, for readers on other threads
         self._logged: set[str] = set()
