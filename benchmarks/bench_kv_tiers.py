@@ -78,15 +78,15 @@ def run_mode(mode: str, model_dir: str, tiers: list[str], requests: list[list[in
                                     config=config, kv_tiers=tiers,
                                     kv_key_prefix=f"bench{os.getpid()}")
     loaded: dict[int, int] = {}  # seq_id -> blocks loaded from a tier
-    tiering = engine.kv_tiering
-    if tiering is not None:
-        admitted = tiering.admitted
+    connector = engine.kv_connector
+    if connector is not None:
+        allocated = connector.update_state_after_alloc
 
-        def record(seq_id: int, first_block: int, num_loaded: int) -> None:
-            loaded[seq_id] = num_loaded
-            admitted(seq_id, first_block, num_loaded)
+        def record(seq, blocks: list[int], num_external_tokens: int) -> None:
+            loaded[seq.seq_id] = num_external_tokens // BLOCK_SIZE
+            allocated(seq, blocks, num_external_tokens)
 
-        tiering.admitted = record  # type: ignore[method-assign]
+        connector.update_state_after_alloc = record  # type: ignore[method-assign]
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     # warm up (first-call costs of the kernels) on a prompt no request shares
     engine.add_request("warmup", list(range(3, 3 + 2 * BLOCK_SIZE + 5)), params)
@@ -122,8 +122,8 @@ def run_mode(mode: str, model_dir: str, tiers: list[str], requests: list[list[in
                 in_flight -= 1
                 result.num_output_tokens += len(tokens)
     result.seconds = time.perf_counter() - began
-    if tiering is not None:
-        _, stats = tiering.stats()
+    if connector is not None:
+        _, stats = connector.stats()  # type: ignore[attr-defined]  (a TierConnector)
         result.tier_line = "; ".join(
             f"{t.name.split('?')[0]}: {t.num_hit_blocks} hit blocks, "
             f"{t.num_loaded_bytes / 2**20:.0f} MiB loaded in {t.load_seconds:.2f}s, "

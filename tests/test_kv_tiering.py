@@ -87,13 +87,13 @@ def own_redis(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
 
 
 def tier_stats(llm: LLM):
-    assert llm.engine.kv_tiering is not None
-    return llm.engine.kv_tiering.stats()
+    assert llm.engine.kv_connector is not None
+    return llm.engine.kv_connector.stats()
 
 
 def second_round(llm: LLM, prompts: list[list[int]]) -> list:
     """Write what the first round queued, forget the device cache, run again."""
-    assert llm.engine.kv_tiering.flush(30)
+    assert llm.engine.kv_connector.flush(30)
     assert llm.engine.kv_manager.reset_prefix_cache()
     return llm.generate(prompts, PARAMS)
 
@@ -156,11 +156,11 @@ def test_reuse_filter_stores_a_block_only_once_it_ended_twice(
     try:
         once = [prompts[0]]  # one request: its blocks are seen once, nothing is stored
         assert run(llm, once) == expected[:1]
-        assert llm.engine.kv_tiering.flush(10)
+        assert llm.engine.kv_connector.flush(10)
         mine, tiers = tier_stats(llm)
         assert mine.num_filtered_blocks > 0 and tiers.num_stored_blocks == 0
         assert run(llm, prompts) == expected
-        assert llm.engine.kv_tiering.flush(10)
+        assert llm.engine.kv_connector.flush(10)
         assert tier_stats(llm)[1].num_stored_blocks >= PREFIX_BLOCKS
     finally:
         llm.close()
@@ -174,14 +174,14 @@ def test_redis_stopped_mid_run(tiny_qwen3_dir: Path, prompts, expected, own_redi
     llm = make_llm(tiny_qwen3_dir, [url])
     try:
         assert run(llm, prompts) == expected
-        assert llm.engine.kv_tiering.flush(30)
+        assert llm.engine.kv_connector.flush(30)
         process.kill()
         process.wait(10)
         outs = second_round(llm, prompts)  # lookups and stores against a dead server
         assert [o.token_ids for o in outs] == expected
         (tier,) = tier_stats(llm)[1].tiers
         assert tier.num_lookup_errors >= 1
-        assert llm.engine.kv_tiering.flush(30)  # failed writes are dropped, not retried
+        assert llm.engine.kv_connector.flush(30)  # failed writes are dropped, not retried
     finally:
         llm.close()
 
@@ -193,7 +193,7 @@ def test_keys_deleted_and_blobs_corrupted_are_misses(
     client = redis.Redis.from_url(url)
     try:
         assert run(llm, prompts) == expected
-        assert llm.engine.kv_tiering.flush(30)
+        assert llm.engine.kv_connector.flush(30)
         keys = sorted(client.keys("llmq:kv:*"))
         assert len(keys) >= 3 * PREFIX_BLOCKS
         # delete a third of the blocks, flip a payload byte in another third
@@ -216,7 +216,7 @@ def test_keys_deleted_and_blobs_corrupted_are_misses(
 def test_lookup_failures_and_wrong_length_payloads_are_misses(
         tiny_qwen3_dir: Path, prompts, expected, tmp_path: Path) -> None:
     llm = make_llm(tiny_qwen3_dir, [f"file://{tmp_path}/kv?max_bytes=10000000"])
-    tiering = llm.engine.kv_tiering
+    tiering = llm.engine.kv_connector
     real_lookup = tiering.offload.lookup
     try:
         assert run(llm, prompts) == expected
@@ -262,22 +262,29 @@ def test_scheduler_loads_tier_blocks_into_fresh_blocks_and_asks_once(tmp_path: P
     from kvcache.block_format import BlockMeta
     from kvcache.kv_cache_manager import KVCacheManager
     from kvcache.offload import KVOffloadManager
-    from workers.engine.kv_tiering import KVTiering
     from workers.engine.scheduler import Scheduler
     from workers.engine.sequence import Sequence, SequenceStatus
+    from workers.engine.tier_connector import TierConnector
 
     bs = 4
     meta = BlockMeta("f" * 16, "uint8", bs, (64,))
     offload = KVOffloadManager.from_urls([f"file://{tmp_path}/kv?max_bytes=1000000"], "t", meta)
     blocks = FakeBlocks()
-    tiering = KVTiering(offload, blocks, bs)
+    tiering = TierConnector(offload, blocks, bs)
     calls = []
     real_lookup = offload.lookup
     offload.lookup = lambda hashes: calls.append(len(hashes)) or real_lookup(hashes)
 
     def scheduler(num_blocks: int) -> Scheduler:
         return Scheduler(KVCacheManager(num_blocks, bs), max_num_seqs=4,
-                         max_num_batched_tokens=64, max_model_len=64, tiering=tiering)
+                         max_num_batched_tokens=64, max_model_len=64, kv_connector=tiering)
+
+    def schedule(sched: Scheduler):
+        """One step once the tier lookups it starts have answered (they run off the step)."""
+        out = sched.schedule()
+        while any(s.status == SequenceStatus.WAITING_FOR_REMOTE_KVS for s in sched.waiting):
+            out = sched.schedule()
+        return out
 
     params = SamplingParams(max_tokens=2)
     prompt = list(range(1, 18))  # 4 full blocks + 1 token
@@ -286,7 +293,7 @@ def test_scheduler_loads_tier_blocks_into_fresh_blocks_and_asks_once(tmp_path: P
     first = scheduler(8)
     seq = Sequence(0, "a", 0, prompt, params)
     first.add_seqs([seq])
-    out = first.schedule()
+    out = schedule(first)
     assert out.blocks_to_load == [] and calls == [4]
     first.finish_seqs([seq], SequenceStatus.FINISHED_LENGTH)
     assert tiering.flush(10) and offload.stats().num_stored_blocks == 4
@@ -296,15 +303,15 @@ def test_scheduler_loads_tier_blocks_into_fresh_blocks_and_asks_once(tmp_path: P
     second = scheduler(7)
     hog = Sequence(1, "hog", 0, list(range(100, 124)), params)  # 6 of the 7 blocks
     second.add_seqs([hog])
-    second.schedule()
+    schedule(second)
     assert calls == [4, 5]  # the hog's own admission
     seq = Sequence(2, "b", 0, prompt, params)
     second.add_seqs([seq])
     for _ in range(2):
-        assert second.schedule().blocks_to_load == [] and seq.status == SequenceStatus.WAITING
+        assert schedule(second).blocks_to_load == [] and seq.status == SequenceStatus.WAITING
     assert calls == [4, 5]  # no room: no lookup, none remembered
     second.finish_seqs([hog], SequenceStatus.FINISHED_ABORTED)
-    out = second.schedule()
+    out = schedule(second)
     table = seq.block_table
     # blocks 0-3 from the tier into fresh blocks; only the last token is computed
     assert [block_id for block_id, _ in out.blocks_to_load] == table[:4]
@@ -313,3 +320,88 @@ def test_scheduler_loads_tier_blocks_into_fresh_blocks_and_asks_once(tmp_path: P
     assert scheduled.start_pos == 16 and scheduled.token_ids == [17]
     assert seq.num_cached_tokens == 16 and calls == [4, 5, 4]
     tiering.close()
+
+
+class GatedTier:
+    """A real tier store whose lookups wait until the test opens the gate (a slow Redis)."""
+
+    def __init__(self, inner) -> None:
+        import threading
+
+        self.inner = inner
+        self.name = inner.name
+        self.gate = threading.Event()
+        self.gate.set()
+        self.num_waiting = 0
+
+    def get_many(self, keys):
+        self.num_waiting += 1
+        assert self.gate.wait(30), "the test never opened the gate"
+        return self.inner.get_many(keys)
+
+    def put_many(self, items) -> None:
+        self.inner.put_many(items)
+
+    def contains_many(self, keys):
+        return self.inner.contains_many(keys)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_a_slow_redis_lookup_never_blocks_the_step(redis_tier) -> None:
+    import time
+
+    from kvcache.block_format import BlockMeta
+    from kvcache.kv_cache_manager import KVCacheManager
+    from kvcache.offload import KVOffloadManager
+    from kvcache.tiers import make_tier
+    from workers.engine.scheduler import Scheduler
+    from workers.engine.sequence import Sequence, SequenceStatus
+    from workers.engine.tier_connector import TierConnector
+
+    url, key_prefix = redis_tier
+    bs = 4
+    meta = BlockMeta("e" * 16, "uint8", bs, (64,))
+    tier = GatedTier(make_tier(url, key_prefix))
+    connector = TierConnector(KVOffloadManager([tier], meta), FakeBlocks(), bs)
+    params = SamplingParams(max_tokens=2)
+    prompt = list(range(1, 18))  # 4 full blocks + 1 token
+    try:
+        first = Scheduler(KVCacheManager(16, bs), max_num_seqs=4, max_num_batched_tokens=64,
+                          max_model_len=64, kv_connector=connector)
+        seq = Sequence(0, "a", 0, prompt, params)
+        first.add_seqs([seq])
+        while seq.status != SequenceStatus.RUNNING:
+            first.schedule()
+        first.finish_seqs([seq], SequenceStatus.FINISHED_LENGTH)
+        assert connector.flush(10) and connector.offload.stats().num_stored_blocks == 4
+
+        second = Scheduler(KVCacheManager(16, bs), max_num_seqs=4, max_num_batched_tokens=64,
+                           max_model_len=64, kv_connector=connector)
+        runner = Sequence(1, "r", 0, [200, 201, 202], params)  # no full block: no lookup
+        second.add_seqs([runner])
+        second.schedule()
+        assert runner.status == SequenceStatus.RUNNING
+        tier.gate.clear()  # Redis answers nothing until the gate opens
+        seq = Sequence(2, "b", 0, prompt, params)
+        second.add_seqs([seq])
+        began = time.perf_counter()
+        for _ in range(5):
+            out = second.schedule()
+            assert [s.seq_id for s in out.scheduled] == [1]  # the other keeps running
+            runner.token_ids.append(7)  # it decodes a token per step
+        assert time.perf_counter() - began < 5  # no step waited for the gated lookup
+        assert seq.status == SequenceStatus.WAITING_FOR_REMOTE_KVS and tier.num_waiting == 1
+        second.finish_seqs([runner], SequenceStatus.FINISHED_LENGTH)
+        tier.gate.set()
+        deadline = time.monotonic() + 10
+        while seq.status != SequenceStatus.RUNNING and time.monotonic() < deadline:
+            out = second.schedule()  # idle: waits a little for the lookup
+        # a hit: blocks 0-3 load from Redis, only the last token is computed
+        assert [block_id for block_id, _ in out.blocks_to_load] == seq.block_table[:4]
+        chunk = next(s for s in out.scheduled if s.seq_id == 2)
+        assert chunk.start_pos == 16 and seq.num_cached_tokens == 16
+    finally:
+        tier.gate.set()
+        connector.close()

@@ -84,14 +84,14 @@ def _with_runner(runner: Any, checkpoint: Any, config: EngineConfig,
                 f"length {checkpoint.max_model_len}; lower max_model_len"
             )
         max_model_len = config.max_model_len
-    tiering = None
+    connector = None
     if kv_tiers:
-        from workers.engine.kv_tiering import KVTiering
+        from workers.engine.tier_connector import TierConnector
 
         # NOTE: a TP group's blob is its ranks' slabs concatenated (the runner gathers and
         # scatters them), keyed by the whole TP layout (tp_size, rank 0)
-        tiering = KVTiering.from_urls(kv_tiers, kv_key_prefix, runner, checkpoint.fingerprint,
-                                      reuse_filter=kv_reuse_filter,
-                                      tp_size=tensor_parallel_size)
+        connector = TierConnector.from_urls(
+            kv_tiers, kv_key_prefix, runner, checkpoint.fingerprint,
+            reuse_filter=kv_reuse_filter, tp_size=tensor_parallel_size)
     return Engine(runner, checkpoint.tokenizer, list(checkpoint.eos_token_ids), max_model_len,
-                  config, kv_tiering=tiering)
+                  config, kv_connector=connector)

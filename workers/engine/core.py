@@ -22,7 +22,7 @@ from workers.engine.sequence import Sequence, SequenceStatus
 from workers.engine.step_io import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
-    from workers.engine.kv_tiering import KVTiering
+    from workers.engine.kv_connector import KVConnector
 
 logger = logging.getLogger(__name__)
 
@@ -57,13 +57,13 @@ class Engine:
         eos_token_ids: list[int],
         max_model_len: int,
         config: EngineConfig | None = None,
-        kv_tiering: KVTiering | None = None,
+        kv_connector: KVConnector | None = None,
     ) -> None:
         self.config = config or EngineConfig()
-        if kv_tiering is not None and not self.config.enable_prefix_caching:
+        if kv_connector is not None and not self.config.enable_prefix_caching:
             raise ValueError("KV tiers need prefix caching (block hashes name the blocks): "
                              "enable prefix caching or configure no KV tiers")
-        self.kv_tiering = kv_tiering
+        self.kv_connector = kv_connector
         if runner.block_size != self.config.block_size:
             raise ValueError(
                 f"runner block_size {runner.block_size} != config block_size "
@@ -84,7 +84,7 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
             long_prefill_token_threshold=self.config.long_prefill_token_threshold,
             enable_prefix_caching=self.config.enable_prefix_caching,
-            tiering=kv_tiering,
+            kv_connector=kv_connector,
         )
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
@@ -96,11 +96,16 @@ class Engine:
     def close(self, timeout: float | None = 10.0) -> None:
         """Release what outlives a step: write queued KV blocks to the tiers and close them;
         stop a tensor-parallel runner's rank processes."""
-        if self.kv_tiering is not None:
-            self.kv_tiering.close(timeout)
+        if self.kv_connector is not None:
+            self.kv_connector.close(timeout)
         shutdown = getattr(self.runner, "shutdown", None)
         if shutdown is not None:
             shutdown()
+
+    @property
+    def kv_tiering(self) -> KVConnector | None:
+        """The KV connector under the name the worker's heartbeat reads (`figures()`)."""
+        return self.kv_connector
 
     # ---- sizes and load -------------------------------------------------------------
 

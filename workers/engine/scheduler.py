@@ -16,6 +16,12 @@ Samples of one request (`n > 1`): sample 0 runs alone until its whole prompt is 
 then the other samples join the waiting queue and take the prompt's full blocks from the
 prefix cache (each recomputes only the partial last block). Without prefix caching they
 compute the prompt themselves, which is correct, only slower.
+
+KV storage below the device (tiers) is an optional `KVConnector`
+(workers/engine/kv_connector.py): the scheduler asks it how many tokens it can supply
+after the device hit and tells it what it allocated and which sequences ended. A
+sequence whose lookup is in flight waits in `WAITING_FOR_REMOTE_KVS`, skipped without
+holding back the sequences behind it, until the connector names it finished.
 """
 
 from __future__ import annotations
@@ -30,9 +36,12 @@ from workers.engine.sequence import Sequence, SequenceStatus
 from workers.engine.step_io import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 
 if TYPE_CHECKING:
-    from workers.engine.kv_tiering import KVTiering
+    from workers.engine.kv_connector import KVConnector
 
 logger = logging.getLogger(__name__)
+
+# how long an idle step waits for a connector's lookup (nothing else could run)
+IDLE_LOOKUP_WAIT_SECONDS = 0.01
 
 
 class Scheduler:
@@ -46,12 +55,13 @@ class Scheduler:
         eos_token_ids: Iterable[int] = (),
         long_prefill_token_threshold: int = 0,
         enable_prefix_caching: bool = True,
-        tiering: KVTiering | None = None,
+        kv_connector: KVConnector | None = None,
     ) -> None:
         self.kv_manager = kv_manager
-        # KV tiers below the device (workers/engine/kv_tiering.py): prefix lookups on admission,
-        # offload of ended sequences' blocks; None without tiers
-        self.tiering = tiering if enable_prefix_caching else None
+        # KV storage below the device (tiers): lookups on admission, offload of ended
+        # sequences' blocks; None without. NOTE: blocks are named by their prefix hashes,
+        # so a connector needs prefix caching.
+        self.kv_connector = kv_connector if enable_prefix_caching else None
         self.block_size = kv_manager.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -66,6 +76,13 @@ class Scheduler:
         self.deferred: dict[int, list[Sequence]] = {}
         self.seqs: dict[int, Sequence] = {}  # every unfinished sequence by seq_id
         self.num_preemptions = 0
+        # waiting sequences whose connector lookup is in flight; each holds a seat of
+        # max_num_seqs, so lookups run only for sequences about to be admitted (their
+        # payloads wait in host memory, and a device hit that grows meanwhile wastes them)
+        self.num_waiting_for_kvs = 0
+        # seq_id -> device-hit tokens held (blocks referenced) while its lookup is in
+        # flight: the blocks the tiers continue must not be evicted meanwhile
+        self._held_hits: dict[int, int] = {}
         # prompt tokens looked up / found in the prefix cache, counted once per sequence
         self.prefix_queries_tokens = 0
         self.prefix_hits_tokens = 0
@@ -103,11 +120,14 @@ class Scheduler:
                 self.running.remove(seq)
             elif seq in self.waiting:
                 self.waiting.remove(seq)
+                if seq.status == SequenceStatus.WAITING_FOR_REMOTE_KVS:
+                    self.num_waiting_for_kvs -= 1
             seq.status = status
             self.seqs.pop(seq.seq_id, None)
-            if self.tiering is not None:
-                self.tiering.offload_blocks(
-                    seq.seq_id, self.kv_manager.get_unshared_full_blocks(seq.seq_id))
+            self._held_hits.pop(seq.seq_id, None)
+            if self.kv_connector is not None:
+                self.kv_connector.request_finished(
+                    seq, self.kv_manager.get_unshared_full_blocks(seq.seq_id))
             self.kv_manager.free(seq.seq_id)
             seq.block_table = []
             # samples still held for this one's prompt start on their own now
@@ -140,10 +160,12 @@ class Scheduler:
 
         Advances `num_computed_tokens` of every scheduled sequence by its chunk.
         """
+        connector = self.kv_connector
+        if connector is not None:
+            self._resume_finished_lookups(connector)
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         preempted: list[int] = []
-        blocks_to_load: list[tuple[int, bytes]] = []
         bs = self.block_size
         threshold = self.long_prefill_token_threshold
         i = 0
@@ -187,35 +209,53 @@ class Scheduler:
             for scheduled_seq in scheduled:
                 writing.update(self._blocks_written(scheduled_seq))
         # NOTE: after a preemption, admitting waiting sequences would only churn the cache
+        index = 0  # waiting[:index] stay waiting this step (their lookups are in flight)
         while (
-            not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+            not preempted
+            and index < len(self.waiting)
+            and budget > 0
+            and len(self.running) + self.num_waiting_for_kvs < self.max_num_seqs
         ):
-            seq = self.waiting[0]
+            seq = self.waiting[index]
+            if seq.status == SequenceStatus.WAITING_FOR_REMOTE_KVS:
+                index += 1
+                continue
             computed_blocks: list[int] = []
             num_cached = 0
-            if self.enable_prefix_caching:
+            held = self._held_hits.get(seq.seq_id)
+            if held is not None:
+                num_cached = held  # its device hit is allocated already
+            elif self.enable_prefix_caching:
                 computed_blocks, num_cached = self.kv_manager.get_computed_blocks(seq.token_ids)
                 computed_blocks = _until_written(computed_blocks, writing)
                 num_cached = min(num_cached, len(computed_blocks) * self.block_size)
-            loaded: list[bytes] = []
-            if self.tiering is not None:
-                # the tiers continue the device hit, into fresh blocks the free ones can hold
-                num_device = len(computed_blocks)
-                max_blocks = min((seq.num_tokens - 1) // bs,
-                                 num_device + self.kv_manager.num_free_blocks - 1)
-                loaded = self.tiering.find_prefix(seq.seq_id, seq.token_ids, num_device,
-                                                  max_blocks)
+            num_external = 0
+            if connector is not None:
+                matched, load_async = connector.get_num_new_matched_tokens(
+                    seq, num_cached, self.kv_manager.num_free_blocks)
+                if matched is None:
+                    if held is None:
+                        self._hold_hit(seq, computed_blocks, num_cached)
+                    seq.status = SequenceStatus.WAITING_FOR_REMOTE_KVS
+                    self.num_waiting_for_kvs += 1
+                    index += 1
+                    continue
+                if load_async:
+                    raise NotImplementedError(
+                        "this scheduler loads connector blocks within the step; a connector "
+                        "must answer get_num_new_matched_tokens with load_async=False")
+                num_external = matched
             allocated = None
-            if loaded:
-                num_new = self._chunk_size(seq, num_cached + len(loaded) * bs, budget)
+            if num_external:
+                num_new = self._chunk_size(seq, num_cached + num_external, budget)
                 allocated = self.kv_manager.allocate_slots(
-                    seq.seq_id, seq.token_ids, num_cached + len(loaded) * bs, num_new,
+                    seq.seq_id, seq.token_ids, num_cached + num_external, num_new,
                     computed_block_ids=computed_blocks,
                 )
                 if allocated is None:
-                    loaded = []  # no room to load them: compute instead, if that fits
+                    num_external = 0  # no room to load them: compute instead, if that fits
                 else:
-                    num_cached += len(loaded) * bs
+                    num_cached += num_external
             if allocated is None:
                 num_new = self._chunk_size(seq, num_cached, budget)
                 allocated = self.kv_manager.allocate_slots(
@@ -224,11 +264,11 @@ class Scheduler:
                 )
             if allocated is None:
                 break  # no room: waiting sequences never preempt running ones
-            if self.tiering is not None:
-                first = len(computed_blocks)
-                blocks_to_load.extend(zip(allocated[first:first + len(loaded)], loaded))
-                self.tiering.admitted(seq.seq_id, first, len(loaded))
-            self.waiting.pop(0)
+            if connector is not None:
+                connector.update_state_after_alloc(seq, allocated, num_external)
+            self.waiting.pop(index)
+            if held is not None:
+                del self._held_hits[seq.seq_id]
             seq.block_table = allocated
             if not seq.admitted:
                 seq.num_cached_tokens = min(num_cached, seq.num_prompt_tokens)
@@ -241,12 +281,49 @@ class Scheduler:
             budget -= num_new
             scheduled.append(self._schedule_chunk(seq, num_new, allocated, writing))
 
-        return SchedulerOutput(
+        if self._held_hits:
+            self._release_answered_holds()
+        output = SchedulerOutput(
             scheduled=scheduled,
             num_batched_tokens=self.max_num_batched_tokens - budget,
             preempted_seq_ids=preempted,
-            blocks_to_load=blocks_to_load,
         )
+        if connector is not None:
+            connector.build_connector_meta(output)
+            if not scheduled and self.num_waiting_for_kvs:
+                connector.wait_for_lookups(IDLE_LOOKUP_WAIT_SECONDS)
+        return output
+
+    def _hold_hit(self, seq: Sequence, computed_blocks: list[int], num_cached: int) -> None:
+        """Reference a sequence's device-hit blocks while its lookup is in flight."""
+        if not computed_blocks:
+            return
+        table = self.kv_manager.allocate_slots(
+            seq.seq_id, seq.token_ids, num_cached, 0, computed_block_ids=computed_blocks)
+        if table is not None:
+            seq.block_table = table
+            self._held_hits[seq.seq_id] = num_cached
+
+    def _release_answered_holds(self) -> None:
+        """Free the held hits of sequences whose lookup was answered but that were not
+        admitted this step. NOTE: a hold lasts no longer than its lookup plus one step, so
+        it never keeps the sequences ahead of it from the room they need."""
+        for seq_id in list(self._held_hits):
+            seq = self.seqs[seq_id]
+            if seq.status != SequenceStatus.WAITING_FOR_REMOTE_KVS:
+                del self._held_hits[seq_id]
+                self.kv_manager.free(seq_id)
+                seq.block_table = []
+
+    def _resume_finished_lookups(self, connector: KVConnector) -> None:
+        """Sequences whose lookup finished wait as before and are scheduled normally."""
+        for seq_id in connector.take_finished_lookups():
+            seq = self.seqs.get(seq_id)
+            if seq is not None and seq.status == SequenceStatus.WAITING_FOR_REMOTE_KVS:
+                # NOTE: the sort key stays the same (Sequence.sort_key)
+                self.num_waiting_for_kvs -= 1
+                seq.status = (SequenceStatus.PREEMPTED if seq.num_preemptions
+                              else SequenceStatus.WAITING)
 
     def _chunk_size(self, seq: Sequence, num_computed: int, budget: int) -> int:
         num_new = seq.num_tokens - num_computed

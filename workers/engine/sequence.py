@@ -25,10 +25,13 @@ class SequenceStatus(IntEnum):
     FINISHED_STOPPED = 3  # EOS, a stop token id or a stop string
     FINISHED_LENGTH = 4  # max_tokens or max_model_len
     FINISHED_ABORTED = 5
+    # waiting, while a KV connector looks its prefix up (workers/engine/kv_connector.py);
+    # the scheduler skips it until the lookup finishes
+    WAITING_FOR_REMOTE_KVS = 6
 
     @property
     def is_finished(self) -> bool:
-        return self >= SequenceStatus.FINISHED_STOPPED
+        return SequenceStatus.FINISHED_STOPPED <= self <= SequenceStatus.FINISHED_ABORTED
 
     @property
     def finish_reason(self) -> FinishReason | None:
@@ -94,8 +97,15 @@ class Sequence:
 
     @property
     def sort_key(self) -> tuple[int, int, int]:
-        """Queue order: priority, then preempted before fresh, then arrival."""
-        fresh = 0 if self.status == SequenceStatus.PREEMPTED else 1
+        """Queue order: priority, then preempted before fresh, then arrival.
+
+        NOTE: a waiting sequence's key must not change while it is queued: one that waits
+        for a lookup after a preemption still sorts as preempted.
+        """
+        status = self.status
+        preempted = status == SequenceStatus.PREEMPTED or (
+            status == SequenceStatus.WAITING_FOR_REMOTE_KVS and self.num_preemptions > 0)
+        fresh = 0 if preempted else 1
         return (self.priority, fresh, self.arrival)
 
     def append_token(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:

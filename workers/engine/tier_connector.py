@@ -1,21 +1,23 @@
-"""`KVTiering`: the engine's side of the KV tiers (Redis, disk) below the device cache.
+"""`TierConnector`: the KV tiers (Redis, disk) below the device cache, as a `KVConnector`.
 
 Policy lives here, mechanism in `kvcache.offload.KVOffloadManager` (bytes in and out of
-the tiers) and `kvcache.kv_cache_manager` (which device block holds what). The scheduler
-calls two hooks:
+the tiers) and `kvcache.kv_cache_manager` (which device block holds what).
 
-* on admission, after the device prefix hit, `find_prefix(...)`: the payloads of the
-  blocks that follow the device hit, found in the tiers (one round trip per tier). The
-  scheduler gives them fresh device blocks, counts them as computed, and puts
-  `(block_id, payload)` in `SchedulerOutput.blocks_to_load`, which the runner writes
-  into the cache before the step's forward pass. The result is remembered per sequence
-  until it is admitted, so a sequence that waits for room does not ask the tiers again
-  every step; a preempted sequence asks again when it is re-admitted.
-* when a sequence ends (finished or aborted), right before its blocks are freed,
-  `offload(seq_id, blocks)`: the full blocks no running sequence holds are read from the
-  device (`runner.read_blocks`, a device->host copy done in the step: it touches only
-  blocks not known to be in the tiers, a few MiB at most per finished sequence) and handed
-  to `KVOffloadManager.store`, which writes them from its own thread.
+* Lookup: the first time the scheduler asks about a waiting sequence, the blocks after
+  its device hit are hashed and looked up on the connector's lookup thread (one round
+  trip per tier: a Redis MGET of consecutive keys); the scheduler hears `None` and the
+  sequence waits in `WAITING_FOR_REMOTE_KVS` while the others run. Once the lookup
+  finishes, `take_finished_lookups` names it; asked again, the connector answers from the
+  result, which it keeps until the sequence is admitted (a sequence that waits for room
+  does not ask the tiers again every step; a preempted one asks again when re-admitted).
+  Nothing is looked up while the device has no free block to load into.
+* Load: after allocation, the found payloads go with their fresh device blocks into
+  `SchedulerOutput.blocks_to_load`; the runner writes them before the forward pass.
+* Offload: when a sequence ends, right before its blocks are freed, its full blocks no
+  running sequence holds are read from the device (`runner.read_blocks`, a device->host
+  copy done in the step: it touches only blocks not known to be in the tiers, a few MiB
+  at most per finished sequence) and handed to `KVOffloadManager.store`, which writes
+  them from its own thread.
 
 Failure is a miss, never wrong output and never an exception in the step: a lookup that
 raises, or a payload of the wrong length, ends the run there (logged once per reason);
@@ -26,15 +28,21 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
+from collections import deque
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvcache.block_format import BlockMeta, make_fingerprint
 from kvcache.hashing import BlockHash, hash_full_blocks
 from kvcache.offload import KVOffloadManager
 from kvcache.offload_stats import OffloadStats
+from kvcache.tier_book import LRUCounter
+
+if TYPE_CHECKING:
+    from workers.engine.sequence import Sequence
+    from workers.engine.step_io import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +61,7 @@ TIER_FIGURES: dict[str, str] = {
 
 
 class BlockIO(Protocol):
-    """What the tiering needs of the model runner (`workers.engine.model_runner.ModelRunner`)."""
+    """What the connector needs of the model runner (`workers.engine.model_runner.ModelRunner`)."""
 
     @property
     def bytes_per_block(self) -> int: ...
@@ -69,7 +77,14 @@ class _Found:
 
 
 @dataclass(slots=True)
-class KVTieringStats:
+class _Lookup:
+    future: Future[_Found]  # done once the lookup thread answered (never an exception)
+    # the device hit, in blocks, when the scheduler last asked: the first loaded block
+    first_block: int = 0
+
+
+@dataclass(slots=True)
+class TierConnectorStats:
     """The engine side's counters since start (the tiers' own are in `offload`)."""
 
     num_lookups: int = 0  # sequence admissions that asked the tiers
@@ -83,27 +98,11 @@ class KVTieringStats:
     num_read_failures: int = 0  # device reads that raised (blocks not stored)
 
 
-class _LRUSet:
-    """A bounded set; the least recently added or touched key is forgotten first."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._keys: OrderedDict[bytes, None] = OrderedDict()
-
-    def add(self, key: bytes) -> None:
-        self._keys[key] = None
-        self._keys.move_to_end(key)
-        if len(self._keys) > self.capacity:
-            self._keys.popitem(last=False)
-
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._keys
-
-
-class KVTiering:
+class TierConnector:
     """Looks prefixes up in, and offloads ended sequences' blocks to, the KV tiers.
 
-    Called from the engine's thread only, except `stats`/`figures` (any thread).
+    Called from the engine's thread only, except `stats`/`figures` (any thread); the
+    lookups run on the connector's own thread.
     """
 
     def __init__(self, offload: KVOffloadManager, runner: BlockIO, block_size: int, *,
@@ -116,18 +115,25 @@ class KVTiering:
         self.runner = runner
         self.block_size = block_size
         self.reuse_filter = reuse_filter
-        self._found: dict[int, _Found] = {}  # seq_id -> lookup result, until admitted
+        self._lookups: dict[int, _Lookup] = {}  # seq_id -> lookup, until admitted or ended
+        # seq ids whose lookup finished, appended by the lookup thread (deque: thread-safe)
+        self._finished: deque[int] = deque()
+        self._finished_event = threading.Event()
+        # NOTE: one thread: lookups run in the order asked, so a sequence admitted earlier
+        # is answered earlier
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmq-kv-lookup")
+        self._to_load: list[tuple[int, bytes]] = []  # this step's (block id, payload)
         # hashes stored (or loaded from a tier) lately: not worth a device read again
-        self._known = _LRUSet(known_capacity)
-        self._seen_once = _LRUSet(known_capacity)  # the reuse filter's first sightings
-        self._stats = KVTieringStats()
+        self._known = LRUCounter(known_capacity)
+        self._seen_once = LRUCounter(known_capacity)  # the reuse filter's first sightings
+        self._stats = TierConnectorStats()
         self._lock = threading.Lock()  # the stats, for readers on other threads
         self._logged: set[str] = set()
 
     @classmethod
     def from_urls(cls, urls: Iterable[str], key_prefix: str, runner: Any,
                   model_fingerprint: str, *, tp_size: int = 1, tp_rank: int = 0,
-                  reuse_filter: bool = False) -> KVTiering:
+                  reuse_filter: bool = False) -> TierConnector:
         """Tiers from `Settings.kv_tiers` URLs for a `ModelRunner`'s KV layout.
 
         The key fingerprint names weights, dtype, block size and TP layout, so only
@@ -142,44 +148,77 @@ class KVTiering:
                     [t.name for t in offload.tiers], fingerprint, "on" if reuse_filter else "off")
         return cls(offload, runner, block_size, reuse_filter=reuse_filter)
 
-    # --- admission ----------------------------------------------------------------------
+    # --- admission (KVConnector) --------------------------------------------------------
 
-    def find_prefix(self, seq_id: int, token_ids: list[int], num_device_blocks: int,
-                    max_blocks: int) -> list[bytes]:
-        """Payloads of the blocks right after the device hit, found in the tiers.
+    def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int,
+                                   num_free_blocks: int) -> tuple[int | None, bool]:
+        bs = self.block_size
+        num_device = num_computed_tokens // bs
+        # the tiers continue the device hit, into fresh blocks the free ones can hold
+        # (one stays free for the computed tail); the last prompt token is always computed
+        max_blocks = min((seq.num_tokens - 1) // bs, num_device + num_free_blocks - 1)
+        lookup = self._lookups.get(seq.seq_id)
+        if lookup is None:
+            if max_blocks <= num_device:
+                return 0, False  # nothing to look up now (no room): ask when there is
+            seq_id = seq.seq_id
+            future = self._executor.submit(self._lookup, seq.token_ids[:max_blocks * bs],
+                                           num_device, max_blocks)
+            self._lookups[seq_id] = _Lookup(future)
+            future.add_done_callback(lambda _: self._lookup_done(seq_id))
+            return None, False
+        if not lookup.future.done():
+            return None, False
+        found = lookup.future.result()
+        lookup.first_block = num_device
+        if num_device < found.start:
+            return 0, False  # the device lost blocks before the run: it would not be consecutive
+        skip = num_device - found.start
+        num_blocks = max(0, min(len(found.payloads) - skip, max_blocks - num_device))
+        return num_blocks * bs, False
 
-        `num_device_blocks` full blocks of `token_ids` are device hits; the result holds
-        payloads for blocks num_device_blocks, num_device_blocks + 1, ... (consecutive),
-        never reaching block index `max_blocks`. Asks the tiers once per admission: until
-        `admitted(seq_id)`, later calls reuse the first answer.
-        """
-        found = self._found.get(seq_id)
-        if found is None:
-            if max_blocks <= num_device_blocks:
-                return []  # nothing to look up now (no room): ask when there is
-            found = self._lookup(token_ids, num_device_blocks, max_blocks)
-            self._found[seq_id] = found
-        if num_device_blocks < found.start:
-            return []  # the device lost blocks before the run: it would not be consecutive
-        skip = num_device_blocks - found.start
-        return found.payloads[skip:skip + max(0, max_blocks - num_device_blocks)]
-
-    def admitted(self, seq_id: int, first_block: int, num_loaded: int) -> None:
-        """The sequence got its blocks, `num_loaded` of them from the tiers from block
-        index `first_block` on: forget the lookup, and remember the loaded blocks as
-        stored (no device read when the sequence ends)."""
-        found = self._found.pop(seq_id, None)
-        if found is None or not num_loaded:
+    def update_state_after_alloc(self, seq: Sequence, blocks: list[int],
+                                 num_external_tokens: int) -> None:
+        lookup = self._lookups.pop(seq.seq_id, None)
+        num_loaded = num_external_tokens // self.block_size
+        if lookup is None or not num_loaded:
             return
-        skip = first_block - found.start
+        found = lookup.future.result()
+        first = lookup.first_block
+        skip = first - found.start
+        self._to_load.extend(zip(blocks[first:first + num_loaded],
+                                 found.payloads[skip:skip + num_loaded]))
+        # loaded blocks are in the tiers: no device read when the sequence ends
         for block_hash in found.hashes[skip:skip + num_loaded]:
             self._known.add(block_hash)
         with self._lock:
             self._stats.num_loaded_blocks += num_loaded
 
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> None:
+        if self._to_load:
+            scheduler_output.blocks_to_load = self._to_load
+            self._to_load = []
+
+    def take_finished_lookups(self) -> list[int]:
+        if not self._finished:
+            return []
+        self._finished_event.clear()
+        finished: list[int] = []
+        while self._finished:
+            finished.append(self._finished.popleft())
+        return finished
+
+    def wait_for_lookups(self, timeout: float) -> None:
+        """Block up to `timeout` seconds until some lookup finishes (for an idle step)."""
+        if not self._finished:
+            self._finished_event.wait(timeout)
+
+    def _lookup_done(self, seq_id: int) -> None:
+        self._finished.append(seq_id)
+        self._finished_event.set()
+
     def _lookup(self, token_ids: list[int], start: int, max_blocks: int) -> _Found:
-        if max_blocks <= start:
-            return _Found(start, [], [])
+        """On the lookup thread: the payloads of blocks start.. found in the tiers."""
         bs = self.block_size
         hashes = hash_full_blocks(token_ids[:max_blocks * bs], bs)[start:]
         try:
@@ -204,15 +243,12 @@ class KVTiering:
             self._stats.num_lookups += 1
         return _Found(start, hashes[:len(payloads)], payloads)
 
-    # --- end of a sequence --------------------------------------------------------------
+    # --- end of a sequence (KVConnector) ------------------------------------------------
 
-    def offload_blocks(self, seq_id: int, blocks: list[tuple[int, BlockHash]]) -> None:
-        """Store an ended sequence's unshared full blocks `(block id, hash)` to the tiers.
-
-        Call it right before the device blocks are freed (their bytes are read here).
-        Never raises.
-        """
-        self._found.pop(seq_id, None)
+    def request_finished(self, seq: Sequence, blocks: list[tuple[int, BlockHash]]) -> None:
+        lookup = self._lookups.pop(seq.seq_id, None)
+        if lookup is not None:
+            lookup.future.cancel()  # not started yet: never runs
         if not blocks:
             return
         wanted: list[tuple[int, BlockHash]] = []
@@ -246,17 +282,13 @@ class KVTiering:
             stats.num_filtered_blocks += num_filtered
             stats.num_stored_blocks += len(items)
 
-    def forget(self, seq_id: int) -> None:
-        """Drop what was remembered for a sequence that holds no blocks."""
-        self._found.pop(seq_id, None)
-
     # --- figures and shutdown -----------------------------------------------------------
 
-    def stats(self) -> tuple[KVTieringStats, OffloadStats]:
+    def stats(self) -> tuple[TierConnectorStats, OffloadStats]:
         """Snapshots of the engine side's and the tiers' counters."""
         with self._lock:
-            mine = KVTieringStats(*(getattr(self._stats, f) for f in
-                                    KVTieringStats.__dataclass_fields__))
+            mine = TierConnectorStats(*(getattr(self._stats, f) for f in
+                                        TierConnectorStats.__dataclass_fields__))
         return mine, self.offload.stats()
 
     def figures(self) -> dict[str, dict[str, float]]:
@@ -269,7 +301,8 @@ class KVTiering:
         return self.offload.flush(timeout)
 
     def close(self, timeout: float | None = 10.0) -> None:
-        """Write what is queued (up to `timeout`), then close the tiers."""
+        """Drop lookups not started, write what is queued (up to `timeout`), close the tiers."""
+        self._executor.shutdown(wait=True, cancel_futures=True)
         self.offload.close(timeout)
 
     def _log_once(self, topic: str, message: str, *args: object) -> None:
