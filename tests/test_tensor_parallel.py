@@ -130,7 +130,7 @@ def test_kv_tier_blocks_written_by_one_tp_group_are_hits_for_another(tiny_qwen3_
     with LLM(str(tiny_qwen3_dir), dtype="float32", tensor_parallel_size=2,
              kv_tiers=[tier], kv_cache_bytes=1 << 20) as second:
         out = second.generate([prompt], params)[0]
-        figures = second.engine.kv_tiering.figures()
+        figures = second.engine.kv_connector.figures()
     assert out.token_ids == expected
     assert out.num_cached_tokens == 64
     assert sum(f["hit_blocks"] for f in figures.values()) == 4

@@ -153,10 +153,10 @@ class GroupRuntime:
     def _load(self) -> dict[str, Any]:
         load = self.batcher.load()
         engine = load.engine
-        tiering = self.engine.kv_tiering
+        connector = self.engine.kv_connector
         return {
             # cumulative per-tier counters: {tier: {figure: value}} (tasks.metrics)
-            "kv_tiers": tiering.figures() if tiering is not None else {},
+            "kv_tiers": connector.figures() if connector is not None else {},
             "num_jobs": load.num_jobs,
             "active_samples": load.num_active_samples,
             "num_running": engine.get("num_running", 0),

@@ -102,11 +102,6 @@ class Engine:
         if shutdown is not None:
             shutdown()
 
-    @property
-    def kv_tiering(self) -> KVConnector | None:
-        """The KV connector under the name the worker's heartbeat reads (`figures()`)."""
-        return self.kv_connector
-
     # ---- sizes and load -------------------------------------------------------------
 
     @property
