@@ -58,6 +58,9 @@ class JobState:
         if delta.finished and self.finish_reasons[index] is None:
             reason = delta.finish_reason or FinishReason.STOP
             self.finish_reasons[index] = reason.value
+            if reason is FinishReason.ERROR and self.error is None:
+                # the engine failed this request alone (a step that raised for it)
+                self.error = delta.error or "the model step failed for this request"
         if not delta.new_token_ids and not delta.text:
             return None
         return JobEvent(

@@ -90,6 +90,10 @@ class Engine:
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self._num_steps = 0
+        self.num_failed_steps = 0  # model steps that raised
+        # failed steps since the last one that succeeded: a device that fails every step
+        # (the service's circuit breaker reads it)
+        self.num_consecutive_failed_steps = 0
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
 
@@ -236,9 +240,13 @@ class Engine:
             return []
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.scheduled:
-            runner_output = self.runner.execute(scheduler_output)
+            try:
+                runner_output = self.runner.execute(scheduler_output)
+            except Exception as exc:
+                return self._step_failed(scheduler_output, exc)
         else:
             runner_output = ModelRunnerOutput(seq_ids=[], sampled_token_ids=[], logprobs=[])
+        self.num_consecutive_failed_steps = 0
         sampled = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._num_steps += 1
         self._generation_tokens_total += len(sampled)
@@ -246,6 +254,34 @@ class Engine:
         for seq in sampled:
             if seq.is_finished:
                 self._retire_if_done(seq.request_id)
+        return deltas
+
+    def _step_failed(self, scheduler_output: SchedulerOutput,
+                     exc: Exception) -> list[CompletionDelta]:
+        """Isolate a step that raised: fail only the request that makes it fail (the
+        scheduler finds it by running the step's sequences alone), never its companions.
+        Returns the ERROR deltas of the culprits (none while the search goes on)."""
+        self.num_failed_steps += 1
+        self.num_consecutive_failed_steps += 1
+        reason = f"the model step failed for this request: {type(exc).__name__}: {exc}"
+        culprits = self.scheduler.step_failed(scheduler_output)
+        if not culprits:
+            logger.warning("model step failed (%s: %s); isolating its %d sequences",
+                           type(exc).__name__, exc, len(scheduler_output.scheduled))
+            return []
+        deltas: list[CompletionDelta] = []
+        for request_id in dict.fromkeys(seq.request_id for seq in culprits):
+            request = self._requests.pop(request_id, None)
+            if request is None:
+                continue
+            logger.error("request %s failed a model step on its own: %s: %s", request_id,
+                         type(exc).__name__, exc, exc_info=exc)
+            unfinished = [seq for seq in request.seqs if not seq.is_finished]
+            self.scheduler.finish_seqs(unfinished, SequenceStatus.FINISHED_ERROR)
+            for seq in unfinished:
+                delta = self._delta(seq, [], "", None)
+                delta.error = reason
+                deltas.append(delta)
         return deltas
 
     def _process_token(self, seq: Sequence) -> CompletionDelta:

@@ -35,6 +35,7 @@ class CompletionOutput:
     finish_reason: FinishReason | None
     logprobs: list[TokenLogprobs] | None  # one per token when params.logprobs is set
     stop_reason: str | int | None = None
+    error: str | None = None  # why, when finish_reason is ERROR
 
 
 @dataclass(slots=True)
@@ -170,6 +171,7 @@ class LLM:
                     if delta.finished:
                         out.finish_reason = delta.finish_reason
                         out.stop_reason = delta.stop_reason
+                        out.error = delta.error
         except BaseException:
             for request_id in order:  # leave the engine clean for the next call
                 self.engine.abort_request(request_id)

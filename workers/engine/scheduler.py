@@ -17,6 +17,12 @@ then the other samples join the waiting queue and take the prompt's full blocks 
 prefix cache (each recomputes only the partial last block). Without prefix caching they
 compute the prompt themselves, which is correct, only slower.
 
+A step whose forward pass raised (`step_failed`): the KV it was to write never becomes
+findable, and its sequences are preempted and become suspects. While any suspect waits,
+each step runs ONE suspect alone (the others wait), until it has computed past the chunk
+that failed; a suspect whose solo step raises again is the culprit, and only its request
+fails. A step of one request only needs no second run: that request is the culprit.
+
 KV storage below the device (tiers) is an optional `KVConnector`
 (workers/engine/kv_connector.py): the scheduler asks it how many tokens it can supply
 after the device hit and tells it what it allocated and which sequences ended. A
@@ -42,6 +48,9 @@ logger = logging.getLogger(__name__)
 
 # how long an idle step waits for a connector's lookup (nothing else could run)
 IDLE_LOOKUP_WAIT_SECONDS = 0.01
+# a sequence in this many failed steps fails itself, even in company (a step that fails
+# only for a combination of requests is never found by running them alone)
+MAX_FAILED_STEPS = 3
 
 
 class Scheduler:
@@ -86,6 +95,8 @@ class Scheduler:
         # prompt tokens looked up / found in the prefix cache, counted once per sequence
         self.prefix_queries_tokens = 0
         self.prefix_hits_tokens = 0
+        # seq_ids of the sequences suspected of failing a step (Sequence.suspect_until)
+        self.suspects: set[int] = set()
 
     # ---- queues -------------------------------------------------------------------
 
@@ -125,6 +136,7 @@ class Scheduler:
             seq.status = status
             self.seqs.pop(seq.seq_id, None)
             self._held_hits.pop(seq.seq_id, None)
+            self.suspects.discard(seq.seq_id)
             if self.kv_connector is not None:
                 self.kv_connector.request_finished(
                     seq, self.kv_manager.get_unshared_full_blocks(seq.seq_id))
@@ -163,6 +175,8 @@ class Scheduler:
         connector = self.kv_connector
         if connector is not None:
             self._resume_finished_lookups(connector)
+        # NOTE: while suspects wait, only the first of them runs, alone (module docstring)
+        alone = self._next_suspect() if self.suspects else None
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         preempted: list[int] = []
@@ -171,6 +185,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if alone is not None and seq is not alone:
+                i += 1
+                continue
             start = seq.num_computed_tokens
             num_new = len(seq.token_ids) - start
             if 0 < threshold < num_new:
@@ -217,7 +234,8 @@ class Scheduler:
             and len(self.running) + self.num_waiting_for_kvs < self.max_num_seqs
         ):
             seq = self.waiting[index]
-            if seq.status == SequenceStatus.WAITING_FOR_REMOTE_KVS:
+            if seq.status == SequenceStatus.WAITING_FOR_REMOTE_KVS or (
+                    alone is not None and seq is not alone):
                 index += 1
                 continue
             computed_blocks: list[int] = []
@@ -294,6 +312,47 @@ class Scheduler:
                 connector.wait_for_lookups(IDLE_LOOKUP_WAIT_SECONDS)
         return output
 
+    def _next_suspect(self) -> Sequence:
+        """The suspect that runs alone this step: a running one first (it is part-way
+        through its solo run), else the first waiting one in queue order."""
+        for seq in self.running:
+            if seq.seq_id in self.suspects:
+                return seq
+        return min((self.seqs[seq_id] for seq_id in self.suspects), key=_sort_key)
+
+    def step_failed(self, scheduler_output: SchedulerOutput) -> list[Sequence]:
+        """The forward pass of `scheduler_output` raised. Returns the culprits: the
+        sequences of the step when it ran one request only (alone, or all its samples),
+        or those already in MAX_FAILED_STEPS failed steps; otherwise none, and every
+        sequence of the step becomes a suspect that runs its chunk again, alone.
+
+        NOTE: the KV the step was to write is dropped unregistered either way, so neither
+        the prefix cache nor a tier ever serves it. A suspect keeps its blocks (the chunk
+        rewrites its positions) unless the step was loading tier blocks into them: those
+        may be half written, so that suspect recomputes from the start.
+        """
+        self.kv_manager.discard_uncommitted()
+        failed = [(self.seqs[s.seq_id], s) for s in scheduler_output.scheduled
+                  if s.seq_id in self.seqs]
+        for seq, _ in failed:
+            seq.num_failed_steps += 1
+        if len({seq.request_id for seq, _ in failed}) <= 1:
+            return [seq for seq, _ in failed]
+        repeat = [seq for seq, _ in failed if seq.num_failed_steps >= MAX_FAILED_STEPS]
+        if repeat:
+            return repeat  # the step fails in company only: no solo run finds it
+        loaded = {block_id for block_id, _ in scheduler_output.blocks_to_load}
+        for seq, scheduled in failed:
+            seq.suspect_until = scheduled.start_pos + len(scheduled.token_ids)
+            self.suspects.add(seq.seq_id)
+            if loaded.intersection(scheduled.block_table):
+                self._preempt(seq)
+            else:
+                seq.num_computed_tokens = scheduled.start_pos
+        logger.warning("a step of %d sequences failed; running them alone to find the one "
+                       "that fails it", len(failed))
+        return []
+
     def _hold_hit(self, seq: Sequence, computed_blocks: list[int], num_cached: int) -> None:
         """Reference a sequence's device-hit blocks while its lookup is in flight."""
         if not computed_blocks:
@@ -369,6 +428,10 @@ class Scheduler:
         that finished are already out of every queue with their blocks released. Stop
         strings are the engine's (they need the text) and end a sequence via `finish_seqs`.
         """
+        # the forward pass succeeded: the KV it wrote becomes findable
+        self.kv_manager.commit()
+        if self.suspects:
+            self._clear_suspects(scheduler_output)
         sampled: list[Sequence] = []
         seqs = self.seqs
         running = SequenceStatus.RUNNING
@@ -391,6 +454,15 @@ class Scheduler:
                 for sibling in self.deferred.pop(head_id):
                     self._enqueue_waiting(sibling)
         return sampled
+
+    def _clear_suspects(self, scheduler_output: SchedulerOutput) -> None:
+        """Suspects that ran alone past the chunk that failed are innocent."""
+        for scheduled in scheduler_output.scheduled:
+            seq = self.seqs.get(scheduled.seq_id)
+            if (seq is not None and seq.suspect_until is not None
+                    and seq.num_computed_tokens >= seq.suspect_until):
+                seq.suspect_until = None
+                self.suspects.discard(seq.seq_id)
 
     def _prompt_done(self, head_id: int) -> bool:
         head = self.seqs.get(head_id)
