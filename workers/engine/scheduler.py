@@ -18,16 +18,14 @@ prefix cache (each recomputes only the partial last block). Without prefix cachi
 compute the prompt themselves, which is correct, only slower.
 
 A step whose forward pass raised (`step_failed`): the KV it was to write never becomes
-findable, and its sequences are preempted and become suspects. While any suspect waits,
-each step runs ONE suspect alone (the others wait), until it has computed past the chunk
-that failed; a suspect whose solo step raises again is the culprit, and only its request
-fails. A step of one request only needs no second run: that request is the culprit.
+findable, and `StepIsolation` (workers/engine/step_isolation.py) finds the request that
+fails it by running the step's sequences alone; only that request fails.
 
 KV storage below the device (tiers) is an optional `KVConnector`
 (workers/engine/kv_connector.py): the scheduler asks it how many tokens it can supply
 after the device hit and tells it what it allocated and which sequences ended. A
-sequence whose lookup is in flight waits in `WAITING_FOR_REMOTE_KVS`, skipped without
-holding back the sequences behind it, until the connector names it finished.
+sequence whose lookup is in flight waits (`PendingLookups`, workers/engine/pending_lookups.py)
+without holding back the sequences behind it.
 """
 
 from __future__ import annotations
@@ -38,8 +36,10 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from kvcache.kv_cache_manager import KVCacheManager
+from workers.engine.pending_lookups import PendingLookups
 from workers.engine.sequence import Sequence, SequenceStatus
 from workers.engine.step_io import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
+from workers.engine.step_isolation import StepIsolation
 
 if TYPE_CHECKING:
     from workers.engine.kv_connector import KVConnector
@@ -48,9 +48,6 @@ logger = logging.getLogger(__name__)
 
 # how long an idle step waits for a connector's lookup (nothing else could run)
 IDLE_LOOKUP_WAIT_SECONDS = 0.01
-# a sequence in this many failed steps fails itself, even in company (a step that fails
-# only for a combination of requests is never found by running them alone)
-MAX_FAILED_STEPS = 3
 
 
 class Scheduler:
@@ -85,18 +82,11 @@ class Scheduler:
         self.deferred: dict[int, list[Sequence]] = {}
         self.seqs: dict[int, Sequence] = {}  # every unfinished sequence by seq_id
         self.num_preemptions = 0
-        # waiting sequences whose connector lookup is in flight; each holds a seat of
-        # max_num_seqs, so lookups run only for sequences about to be admitted (their
-        # payloads wait in host memory, and a device hit that grows meanwhile wastes them)
-        self.num_waiting_for_kvs = 0
-        # seq_id -> device-hit tokens held (blocks referenced) while its lookup is in
-        # flight: the blocks the tiers continue must not be evicted meanwhile
-        self._held_hits: dict[int, int] = {}
+        self.lookups = PendingLookups(kv_manager)  # waiting on the connector's lookups
+        self.isolation = StepIsolation()  # suspects of a step that raised
         # prompt tokens looked up / found in the prefix cache, counted once per sequence
         self.prefix_queries_tokens = 0
         self.prefix_hits_tokens = 0
-        # seq_ids of the sequences suspected of failing a step (Sequence.suspect_until)
-        self.suspects: set[int] = set()
 
     # ---- queues -------------------------------------------------------------------
 
@@ -107,6 +97,16 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.seqs) - len(self.running)
+
+    @property
+    def num_waiting_for_kvs(self) -> int:
+        """Waiting sequences whose connector lookup is in flight (each holds a seat)."""
+        return self.lookups.num_waiting
+
+    @property
+    def suspects(self) -> set[int]:
+        """seq_ids suspected of failing a step (they run alone until cleared)."""
+        return self.isolation.suspects
 
     def has_unfinished_seqs(self) -> bool:
         return bool(self.seqs)
@@ -131,12 +131,10 @@ class Scheduler:
                 self.running.remove(seq)
             elif seq in self.waiting:
                 self.waiting.remove(seq)
-                if seq.status == SequenceStatus.WAITING_FOR_REMOTE_KVS:
-                    self.num_waiting_for_kvs -= 1
+            self.lookups.forget(seq)
             seq.status = status
             self.seqs.pop(seq.seq_id, None)
-            self._held_hits.pop(seq.seq_id, None)
-            self.suspects.discard(seq.seq_id)
+            self.isolation.forget(seq.seq_id)
             if self.kv_connector is not None:
                 self.kv_connector.request_finished(
                     seq, self.kv_manager.get_unshared_full_blocks(seq.seq_id))
@@ -174,9 +172,9 @@ class Scheduler:
         """
         connector = self.kv_connector
         if connector is not None:
-            self._resume_finished_lookups(connector)
-        # NOTE: while suspects wait, only the first of them runs, alone (module docstring)
-        alone = self._next_suspect() if self.suspects else None
+            self.lookups.resume_finished(connector, self.seqs)
+        # NOTE: while suspects wait, only the first of them runs, alone (step_isolation.py)
+        alone = self.isolation.next_alone(self.running, self.seqs, _sort_key)
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         preempted: list[int] = []
@@ -240,7 +238,7 @@ class Scheduler:
                 continue
             computed_blocks: list[int] = []
             num_cached = 0
-            held = self._held_hits.get(seq.seq_id)
+            held = self.lookups.held(seq.seq_id)
             if held is not None:
                 num_cached = held  # its device hit is allocated already
             elif self.enable_prefix_caching:
@@ -252,10 +250,7 @@ class Scheduler:
                 matched, load_async = connector.get_num_new_matched_tokens(
                     seq, num_cached, self.kv_manager.num_free_blocks)
                 if matched is None:
-                    if held is None:
-                        self._hold_hit(seq, computed_blocks, num_cached)
-                    seq.status = SequenceStatus.WAITING_FOR_REMOTE_KVS
-                    self.num_waiting_for_kvs += 1
+                    self.lookups.wait(seq, computed_blocks, num_cached)
                     index += 1
                     continue
                 if load_async:
@@ -286,7 +281,7 @@ class Scheduler:
                 connector.update_state_after_alloc(seq, allocated, num_external)
             self.waiting.pop(index)
             if held is not None:
-                del self._held_hits[seq.seq_id]
+                self.lookups.admitted(seq.seq_id)
             seq.block_table = allocated
             if not seq.admitted:
                 seq.num_cached_tokens = min(num_cached, seq.num_prompt_tokens)
@@ -299,8 +294,7 @@ class Scheduler:
             budget -= num_new
             scheduled.append(self._schedule_chunk(seq, num_new, allocated, writing))
 
-        if self._held_hits:
-            self._release_answered_holds()
+        self.lookups.release_answered(self.seqs)
         output = SchedulerOutput(
             scheduled=scheduled,
             num_batched_tokens=self.max_num_batched_tokens - budget,
@@ -312,77 +306,18 @@ class Scheduler:
                 connector.wait_for_lookups(IDLE_LOOKUP_WAIT_SECONDS)
         return output
 
-    def _next_suspect(self) -> Sequence:
-        """The suspect that runs alone this step: a running one first (it is part-way
-        through its solo run), else the first waiting one in queue order."""
-        for seq in self.running:
-            if seq.seq_id in self.suspects:
-                return seq
-        return min((self.seqs[seq_id] for seq_id in self.suspects), key=_sort_key)
-
     def step_failed(self, scheduler_output: SchedulerOutput) -> list[Sequence]:
-        """The forward pass of `scheduler_output` raised. Returns the culprits: the
-        sequences of the step when it ran one request only (alone, or all its samples),
-        or those already in MAX_FAILED_STEPS failed steps; otherwise none, and every
-        sequence of the step becomes a suspect that runs its chunk again, alone.
+        """The forward pass of `scheduler_output` raised. Returns the culprits whose
+        requests must fail, or none while `StepIsolation` looks for them.
 
         NOTE: the KV the step was to write is dropped unregistered either way, so neither
-        the prefix cache nor a tier ever serves it. A suspect keeps its blocks (the chunk
-        rewrites its positions) unless the step was loading tier blocks into them: those
-        may be half written, so that suspect recomputes from the start.
+        the prefix cache nor a tier ever serves it.
         """
         self.kv_manager.discard_uncommitted()
         failed = [(self.seqs[s.seq_id], s) for s in scheduler_output.scheduled
                   if s.seq_id in self.seqs]
-        for seq, _ in failed:
-            seq.num_failed_steps += 1
-        if len({seq.request_id for seq, _ in failed}) <= 1:
-            return [seq for seq, _ in failed]
-        repeat = [seq for seq, _ in failed if seq.num_failed_steps >= MAX_FAILED_STEPS]
-        if repeat:
-            return repeat  # the step fails in company only: no solo run finds it
         loaded = {block_id for block_id, _ in scheduler_output.blocks_to_load}
-        for seq, scheduled in failed:
-            seq.suspect_until = scheduled.start_pos + len(scheduled.token_ids)
-            self.suspects.add(seq.seq_id)
-            if loaded.intersection(scheduled.block_table):
-                self._preempt(seq)
-            else:
-                seq.num_computed_tokens = scheduled.start_pos
-        logger.warning("a step of %d sequences failed; running them alone to find the one "
-                       "that fails it", len(failed))
-        return []
-
-    def _hold_hit(self, seq: Sequence, computed_blocks: list[int], num_cached: int) -> None:
-        """Reference a sequence's device-hit blocks while its lookup is in flight."""
-        if not computed_blocks:
-            return
-        table = self.kv_manager.allocate_slots(
-            seq.seq_id, seq.token_ids, num_cached, 0, computed_block_ids=computed_blocks)
-        if table is not None:
-            seq.block_table = table
-            self._held_hits[seq.seq_id] = num_cached
-
-    def _release_answered_holds(self) -> None:
-        """Free the held hits of sequences whose lookup was answered but that were not
-        admitted this step. NOTE: a hold lasts no longer than its lookup plus one step, so
-        it never keeps the sequences ahead of it from the room they need."""
-        for seq_id in list(self._held_hits):
-            seq = self.seqs[seq_id]
-            if seq.status != SequenceStatus.WAITING_FOR_REMOTE_KVS:
-                del self._held_hits[seq_id]
-                self.kv_manager.free(seq_id)
-                seq.block_table = []
-
-    def _resume_finished_lookups(self, connector: KVConnector) -> None:
-        """Sequences whose lookup finished wait as before and are scheduled normally."""
-        for seq_id in connector.take_finished_lookups():
-            seq = self.seqs.get(seq_id)
-            if seq is not None and seq.status == SequenceStatus.WAITING_FOR_REMOTE_KVS:
-                # NOTE: the sort key stays the same (Sequence.sort_key)
-                self.num_waiting_for_kvs -= 1
-                seq.status = (SequenceStatus.PREEMPTED if seq.num_preemptions
-                              else SequenceStatus.WAITING)
+        return self.isolation.on_failure(failed, loaded, self._preempt)
 
     def _chunk_size(self, seq: Sequence, num_computed: int, budget: int) -> int:
         num_new = seq.num_tokens - num_computed
@@ -430,8 +365,8 @@ class Scheduler:
         """
         # the forward pass succeeded: the KV it wrote becomes findable
         self.kv_manager.commit()
-        if self.suspects:
-            self._clear_suspects(scheduler_output)
+        if self.isolation.suspects:
+            self.isolation.clear_passed(scheduler_output.scheduled, self.seqs)
         sampled: list[Sequence] = []
         seqs = self.seqs
         running = SequenceStatus.RUNNING
@@ -454,15 +389,6 @@ class Scheduler:
                 for sibling in self.deferred.pop(head_id):
                     self._enqueue_waiting(sibling)
         return sampled
-
-    def _clear_suspects(self, scheduler_output: SchedulerOutput) -> None:
-        """Suspects that ran alone past the chunk that failed are innocent."""
-        for scheduled in scheduler_output.scheduled:
-            seq = self.seqs.get(scheduled.seq_id)
-            if (seq is not None and seq.suspect_until is not None
-                    and seq.num_computed_tokens >= seq.suspect_until):
-                seq.suspect_until = None
-                self.suspects.discard(seq.seq_id)
 
     def _prompt_done(self, head_id: int) -> bool:
         head = self.seqs.get(head_id)
