@@ -18,6 +18,7 @@ from llmq.bench.main import cmd_bench
 from llmq.commands import (
     CommandError,
     cmd_beat,
+    cmd_config,
     cmd_db_upgrade,
     cmd_keys_create,
     cmd_keys_list,
@@ -113,6 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
     beat.add_argument("--loglevel", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     add_state_flags(beat)
     beat.set_defaults(handler=cmd_beat)
+
+    config = command(sub, "config", help="print the effective settings (secrets masked)",
+                     description="Print every setting as LLMQ_NAME=value, read from the "
+                     "environment and the state flags as every command reads them; "
+                     "passwords in URLs are masked. A bad value is an error naming its "
+                     "variable.")
+    add_state_flags(config)
+    config.set_defaults(handler=cmd_config)
 
     db = command(sub, "db", help="database schema", description="Database schema commands.")
     db_sub = db.add_subparsers(title="db commands", metavar="COMMAND")

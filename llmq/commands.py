@@ -1,4 +1,4 @@
-"""The server-side commands of `llmq`: web, up, beat, db upgrade, keys, make-model.
+"""The server-side commands of `llmq`: web, up, beat, db upgrade, keys, make-model, config.
 
 Each imports what it needs when it runs: `llmq --help` loads none of them.
 """
@@ -71,6 +71,16 @@ def cmd_beat(args: argparse.Namespace) -> int:
         "--without-gossip", "--without-mingle", "--loglevel", args.loglevel.upper(),
         "--schedule", app.conf.beat_schedule_filename,
     ])
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    """Print the effective settings, one `LLMQ_NAME=value` per line (passwords masked)."""
+    settings = settings_of(args)
+    for variable, value in settings.effective().items():
+        if isinstance(value, bool):
+            value = "true" if value else "false"
+        print(f"{variable}={'' if value is None else value}")
     return 0
 
 
