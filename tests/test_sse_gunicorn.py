@@ -1,5 +1,6 @@
-"""Event streams served by gunicorn's threaded workers, where the live-event hub writes
-token events straight to the client sockets: HTTP/1.1 (chunked) and HTTP/1.0, replay,
+"""Event streams served by gunicorn: `llmq web`'s worker (the stream server holds them)
+and stock gthread; either way the live-event hub writes token events straight to the
+client sockets: HTTP/1.1 (chunked) and HTTP/1.0, replay,
 reconnect, a client that leaves early. Real gunicorn, worker process, Postgres, Redis."""
 
 from __future__ import annotations
@@ -29,13 +30,15 @@ pytestmark = pytest.mark.integration
 LONG = {"max_tokens": 300, "ignore_eos": True, "temperature": 0.0}
 
 
-@pytest.fixture(scope="module")
-def gunicorn_url(service_settings, tmp_path_factory):
+# `llmq web`'s worker (streams held by the stream server) and stock gthread (a thread per
+# stream, the hub writing through webapp/sse_sink.py)
+@pytest.fixture(scope="module", params=["webapp.stream_worker.StreamWorker", "gthread"])
+def gunicorn_url(request, service_settings, tmp_path_factory):
     port = free_port()
     log = open(tmp_path_factory.mktemp("gunicorn") / "web.log", "wb")
     env = worker_env(service_settings, LLMQ_SSE_HEARTBEAT_SECONDS="1")
     process = subprocess.Popen(
-        [sys.executable, "-m", "gunicorn", "-k", "gthread", "-w", "1", "--threads", "16",
+        [sys.executable, "-m", "gunicorn", "-k", request.param, "-w", "1", "--threads", "16",
          "-b", f"127.0.0.1:{port}", "webapp.wsgi:app"],
         cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
