@@ -75,7 +75,8 @@ class StreamWorker(ThreadWorker):
             body = self.wsgi(environ, resp.start_response)
             try:
                 factory = environ.get(DETACHED_KEY)
-                if factory is not None and resp.status_code == 200:
+                # NOTE: HEAD gets the headers only, through the usual path
+                if factory is not None and resp.status_code == 200 and req.method != "HEAD":
                     for _ in body:
                         pass  # an empty body: Flask's teardown runs on close below
                     resp.force_close()  # the stream server closes the connection
