@@ -92,8 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     web = command(sub, "web", help="serve the HTTP API (gunicorn)",
                   description="Serve the HTTP API with gunicorn's gthread workers: "
-                  "each open event stream holds one thread, so size --threads for "
-                  "the number of concurrent streams.")
+                  "threads serve requests; open event streams are held by each "
+                  "process's stream server and hold no thread.")
     web.add_argument("--host", default="127.0.0.1",
                      help="address to listen on (0.0.0.0: every interface; turn on "
                      "LLMQ_AUTH_ENABLED before you expose the API)")
@@ -101,8 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     web.add_argument("--workers", type=int, default=2, help="gunicorn worker processes")
     web.add_argument("--threads", type=int, default=64, help="threads per worker process")
     web.add_argument("--graceful-timeout", type=float, default=30.0,
-                     help="seconds open requests (event streams too) get to finish on "
-                     "SIGTERM; clients resume a cut stream with Last-Event-ID")
+                     help="seconds open requests get to finish on SIGTERM (event "
+                     "streams are cut; clients resume them with Last-Event-ID)")
     web.add_argument("--dev", action="store_true",
                      help="werkzeug's development server instead of gunicorn")
     add_state_flags(web)

@@ -38,17 +38,26 @@ def cmd_web(args: argparse.Namespace) -> int:
 
         run_simple(args.host, args.port, create_app(settings), threaded=True)
         return 0
-    # NOTE: gthread, not gevent: gevent's monkey patching removes select.epoll, which the
-    # tokenizer loading path (huggingface_hub) needs; threads need no patching at all.
-    command = [sys.executable, "-m", "gunicorn", "webapp.wsgi:app",
-               "--bind", f"{args.host}:{args.port}", "--workers", str(args.workers),
-               "--worker-class", "gthread", "--threads", str(args.threads),
-               "--timeout", "120", "--graceful-timeout", f"{args.graceful_timeout:g}",
-               "--access-logfile", "-"]
+    command = web_command(args.host, args.port, args.workers, args.threads,
+                          args.graceful_timeout)
     logger.info("serving the API on %s:%d (%d processes x %d threads)", args.host, args.port,
                 args.workers, args.threads)
     os.execv(sys.executable, command)  # gunicorn takes over this process and its signals
     return 0  # not reached
+
+
+def web_command(host: str, port: int, workers: int, threads: int,
+                graceful_timeout: float) -> list[str]:
+    """The gunicorn command line `llmq web` runs (also started this way by tests)."""
+    # NOTE: gthread threads serve requests; each process's stream server holds the open
+    # event streams (webapp/stream_worker.py), so an idle stream costs no thread. Not
+    # gevent: its monkey patching removes select.epoll, which the tokenizer loading path
+    # (huggingface_hub) needs.
+    return [sys.executable, "-m", "gunicorn", "webapp.wsgi:app",
+            "--bind", f"{host}:{port}", "--workers", str(workers),
+            "--worker-class", "webapp.stream_worker.StreamWorker", "--threads", str(threads),
+            "--timeout", "120", "--graceful-timeout", f"{graceful_timeout:g}",
+            "--access-logfile", "-"]
 
 
 def cmd_up(args: argparse.Namespace) -> int:
