@@ -70,6 +70,9 @@ class Settings(BaseSettings):
     # served models: name -> checkpoint directory (LLMQ_MODELS="demo=/path,other=/path2")
     models: Annotated[dict[str, str], NoDecode] = Field(default_factory=dict)
     auth_enabled: bool = False
+    # with auth on, /v1/models and /metrics need a key too (they show checkpoint paths,
+    # hosts and pids); false lets a scraper without a key read them
+    metadata_requires_key: bool = True
     # job and stream behaviour
     lease_seconds: float = Field(30.0, gt=0)
     lease_renew_seconds: float = Field(5.0, gt=0)
@@ -131,7 +134,8 @@ class Settings(BaseSettings):
             return None
         return value
 
-    @field_validator("kv_reuse_filter", "auth_enabled", "enable_prefix_caching", mode="before")
+    @field_validator("kv_reuse_filter", "auth_enabled", "metadata_requires_key",
+                     "enable_prefix_caching", mode="before")
     @classmethod
     def _empty_is_false(cls, value: Any) -> Any:
         return False if isinstance(value, str) and not value.strip() else value

@@ -22,6 +22,7 @@ from tasks.schema import JobRequest, SchemaError, parse_job_request, pin_seed
 from tasks.streams.reader import current_output
 from webapp.auth import current_api_key_id
 from webapp.errors import APIError, redis_unavailable
+from webapp.groups import context_len
 from webapp.model_registry import ModelLoadError, ServedModel, UnknownModelError
 from webapp.serialize import is_terminal, job_links, job_to_dict
 from webapp.services import Services, services
@@ -364,12 +365,13 @@ def tokenize(model: ServedModel, job_request: JobRequest) -> tuple[str | None, l
         text = job_request.prompt
         token_ids = model.encode(text or "")
     max_tokens = job_request.params.max_tokens
-    if len(token_ids) + max_tokens > model.max_model_len:
+    limit = context_len(model)
+    if len(token_ids) + max_tokens > limit:
         raise APIError(400, "context_length_exceeded",
                        f"the prompt has {len(token_ids)} tokens and max_tokens is {max_tokens}, "
                        f"{len(token_ids) + max_tokens} in all, but model {model.name!r} fits "
-                       f"{model.max_model_len}; shorten the prompt or lower max_tokens",
-                       "max_tokens" if len(token_ids) < model.max_model_len else "prompt")
+                       f"{limit}; shorten the prompt or lower max_tokens",
+                       "max_tokens" if len(token_ids) < limit else "prompt")
     try:
         job_request.check(model.limits, token_ids)
     except SchemaError as exc:

@@ -34,6 +34,7 @@ from tasks.metrics import (
 )
 from tasks.models import JobStatus
 from tasks.protocol import group_alive_key, groups_key
+from webapp.auth import require_key_for_metadata
 from webapp.services import Services, services
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ assert set(ENGINE_COUNTERS) <= set(COUNTERS)
 @bp.get("/metrics")
 def metrics() -> Response:
     """Prometheus text exposition of every served model's figures."""
+    require_key_for_metadata()
     registry = CollectorRegistry(auto_describe=False)
     registry.register(RedisCollector(services()))
     return Response(generate_latest(registry), mimetype=CONTENT_TYPE_LATEST.split(";")[0],

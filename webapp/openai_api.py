@@ -31,6 +31,7 @@ from tasks.streams.reader import Park
 from webapp.auth import current_api_key_id
 from webapp.errors import APIError, failed_job_error
 from webapp.events import terminal_event_from_row
+from webapp.groups import context_len
 from webapp.jobs import cancel, json_body, served_model, submit_job, tokenize
 from webapp.openai_format import (
     ChoiceLogprobs,
@@ -114,7 +115,7 @@ def _serve(kind: JobKind) -> Response:
     prompt_text, prompt_token_ids = tokenize(model, req.job)
     if req.fill_max_tokens:
         req.job.params.max_tokens = max(req.job.params.min_tokens, 1,
-                                        model.max_model_len - len(prompt_token_ids))
+                                        context_len(model) - len(prompt_token_ids))
     job, _ = submit_job(req.job, prompt_text, prompt_token_ids, api_key_id=api_key_id)
     tokenizer = model.tokenizer
     echo_text = None
