@@ -31,6 +31,7 @@ def _export_state(args: argparse.Namespace) -> None:
 def cmd_web(args: argparse.Namespace) -> int:
     _export_state(args)
     settings = settings_of(args)
+    _require_schema(args)  # not a 503 per request on an unmigrated database
     if args.dev:
         from werkzeug.serving import run_simple
 
@@ -72,6 +73,7 @@ def cmd_beat(args: argparse.Namespace) -> int:
 
     _export_state(args)
     settings = settings_of(args)
+    _require_schema(args)
     app = create_celery(settings, beat=True)
     register_maintenance_tasks(app, settings)
     app.worker_main([
@@ -108,16 +110,24 @@ def cmd_db_upgrade(args: argparse.Namespace) -> int:
     return 0
 
 
-def _session_factory(args: argparse.Namespace) -> Any:
-    """Sessions on the command's database, once it is known to be migrated."""
-    from tasks.db import DatabaseNotReady, check_schema, create_db_engine, make_sessionmaker
+def _require_schema(args: argparse.Namespace) -> str:
+    """The command's database URL, once it is known to answer at the newest schema (a
+    one-line CommandError naming `llmq db upgrade` otherwise)."""
+    from tasks.db import DatabaseNotReady, check_schema
 
     url = database_url_of(args)
     try:
         check_schema(url, upgrade_command(args))
     except DatabaseNotReady as exc:
         raise CommandError(str(exc)) from None
-    return make_sessionmaker(create_db_engine(url))
+    return url
+
+
+def _session_factory(args: argparse.Namespace) -> Any:
+    """Sessions on the command's database, once it is known to be migrated."""
+    from tasks.db import create_db_engine, make_sessionmaker
+
+    return make_sessionmaker(create_db_engine(_require_schema(args)))
 
 
 def cmd_keys_create(args: argparse.Namespace) -> int:
