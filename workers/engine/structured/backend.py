@@ -83,10 +83,8 @@ class XgrammarBackend:
         compiler = self._get_compiler()
         kind = spec.kind
         try:
-            if kind is StructuredKind.JSON:
-                return compiler.compile_json_schema(spec.schema_text(), any_whitespace=False)
-            if kind is StructuredKind.JSON_OBJECT:
-                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            if kind in (StructuredKind.JSON, StructuredKind.JSON_OBJECT):
+                return compiler.compile_grammar(_json_schema_ebnf(spec))
             if kind is StructuredKind.REGEX:
                 return compiler.compile_regex(spec.regex)
             return compiler.compile_grammar(_ebnf(spec))
@@ -118,6 +116,24 @@ class XgrammarBackend:
                 self._compiler = xgrammar.GrammarCompiler(info, max_threads=1,
                                                           cache_enabled=False)
             return self._compiler
+
+
+# NOTE: xgrammar 0.2.8 writes the characters of a length-bounded JSON string (minLength /
+# maxLength) as _LOOSE_STRING_CHAR, which lets raw control characters (U+0000-U+001F) in:
+# the output is then not JSON (json.loads refuses it). Its unbounded strings exclude them;
+# so do we.
+_LOOSE_STRING_CHAR = '[^\\"\\\\\\r\\n]'
+_JSON_STRING_CHAR = '[^\\0-\\x1f\\"\\\\]'
+
+
+def _json_schema_ebnf(spec: StructuredOutputs) -> str:
+    """The EBNF of a JSON schema (`{"type": "object"}` for json_object), compact
+    separators, with string characters restricted to what JSON allows."""
+    import xgrammar
+
+    schema = spec.schema_text() if spec.kind is StructuredKind.JSON else '{"type": "object"}'
+    ebnf = str(xgrammar.Grammar.from_json_schema(schema, any_whitespace=False))
+    return ebnf.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR)
 
 
 def _ebnf(spec: StructuredOutputs) -> str:
