@@ -79,8 +79,10 @@ def apply_token_bitmask(
     shifts = torch.arange(32, dtype=torch.int32, device=x.device)
     # NOTE: >> of a negative int32 is arithmetic, but only bit 0 is kept after it.
     allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)[:, :vocab_size]
-    index = torch.tensor(rows, device=x.device)
-    x[index] = x[index].masked_fill_(allowed == 0, float("-inf"))
+    disallowed = allowed == 0
+    # NOTE: row by row in place: no gather / scatter copies of [len(rows), vocab]
+    for j, row in enumerate(rows):
+        x[row].masked_fill_(disallowed[j], float("-inf"))
     return x
 
 
