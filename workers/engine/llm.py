@@ -5,6 +5,12 @@
     outputs = llm.generate(["Hello", "The river"], SamplingParams(max_tokens=32))
     print(outputs[0].text)
 
+    # constrained decoding: a JSON schema (or regex=, choice=[...], grammar=, json_object=True)
+    from workers import StructuredOutputs
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}}
+    llm.generate(["Describe a person"], SamplingParams(
+        max_tokens=64, structured_outputs=StructuredOutputs(json=schema)))
+
 All prompts go into one engine at once; continuous batching runs them together.
 """
 

@@ -26,6 +26,8 @@ KV storage below the device (tiers) is an optional `KVConnector`
 after the device hit and tells it what it allocated and which sequences ended. A
 sequence whose lookup is in flight waits (`PendingLookups`, workers/engine/pending_lookups.py)
 without holding back the sequences behind it.
+A sequence whose structured-output grammar compiles waits in `WAITING_FOR_GRAMMAR`,
+skipped the same way until its grammar is ready.
 """
 
 from __future__ import annotations
@@ -236,6 +238,11 @@ class Scheduler:
                     alone is not None and seq is not alone):
                 index += 1
                 continue
+            if seq.status == SequenceStatus.WAITING_FOR_GRAMMAR:
+                if seq.grammar is None or not seq.grammar.is_ready:
+                    index += 1  # compiling (or failed: the engine fails it)
+                    continue
+                seq.status = SequenceStatus.WAITING
             computed_blocks: list[int] = []
             num_cached = 0
             held = self.lookups.held(seq.seq_id)

@@ -16,6 +16,7 @@ from workers.engine.step_io import TokenLogprobs
 
 if TYPE_CHECKING:
     from workers.engine.detokenizer import IncrementalDetokenizer
+    from workers.engine.structured.sequence_grammar import SequenceGrammar
 
 
 class SequenceStatus(IntEnum):
@@ -30,6 +31,9 @@ class SequenceStatus(IntEnum):
     WAITING_FOR_REMOTE_KVS = 6
     # its request failed on its own: a model step that ran it alone raised
     FINISHED_ERROR = 7
+    # waiting, while its structured-output grammar compiles (workers/engine/structured/);
+    # the scheduler skips it until the grammar is ready
+    WAITING_FOR_GRAMMAR = 8
 
     @property
     def is_finished(self) -> bool:
@@ -78,6 +82,8 @@ class Sequence:
     # num_computed_tokens passes this position (the end of the chunk that failed)
     suspect_until: int | None = None
     num_failed_steps: int = 0  # model steps it was in that raised
+    # its constraint's matcher (params.structured_outputs); None for free text
+    grammar: SequenceGrammar | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
