@@ -58,6 +58,15 @@ class Settings:
     max_body_bytes: int = 4 * 1024 * 1024
     max_n: int = 8
     drain_grace_seconds: float = 30.0
+    # circuit breaker of a device group: after this many consecutive failed steps, or a
+    # step running longer than step_timeout_seconds (watchdog), the group stops claiming,
+    # hands its jobs back without spending their attempts, reports itself unhealthy in
+    # its heartbeat and exits non-zero
+    max_consecutive_step_failures: int = 3
+    step_timeout_seconds: float = 300.0
+    # TEST ONLY: the batcher makes this many steps raise, as a failing device would
+    # (the breaker's integration test; nothing else reads it)
+    fault_inject_step_failures: int = 0
     # a non-streaming OpenAI request waits this long for its job, then cancels it (504)
     request_timeout_seconds: float = 600.0
     # engine defaults of a device-group worker

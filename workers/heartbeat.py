@@ -87,6 +87,7 @@ class Heartbeat:
         self.interval = interval
         self.metrics = metrics  # the batcher's figures, written with each beat
         self.draining = False
+        self.unhealthy: str | None = None  # why the group stopped serving (breaker, watchdog)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="llmq-heartbeat", daemon=True)
 
@@ -94,10 +95,18 @@ class Heartbeat:
         self.beat()  # visible before the first task is fetched
         self._thread.start()
 
-    def stop(self) -> None:
-        """End the thread and remove this group's entry."""
+    def stop(self, *, remove: bool = True) -> None:
+        """End the thread and remove this group's entry (`remove=False`: a failed group
+        leaves its last, unhealthy beat until the alive key expires, so `/ready` says why)."""
         self._stop.set()
         self._thread.join(self.interval + 5.0)
+        if not remove:
+            try:
+                self.beat()
+            except Exception:
+                logger.warning("could not write the last heartbeat of %s",
+                               self.identity.group_id, exc_info=True)
+            return
         try:
             pipe = self.redis.pipeline(transaction=False)
             if self.metrics is not None:  # the figures of the last jobs (drain)
@@ -113,6 +122,9 @@ class Heartbeat:
         figures = asdict(self.identity)
         figures.update(self.load())
         figures["draining"] = self.draining
+        figures["healthy"] = self.unhealthy is None
+        if self.unhealthy is not None:
+            figures["unhealthy_reason"] = self.unhealthy
         figures["updated_at"] = time.time()
         return figures
 
