@@ -255,6 +255,11 @@ class Batcher:
     def _add_jobs(self, inbox: list[AdmittedJob], cancelled: set[str],
                   events: list[tuple[str, JobEvent]]) -> None:
         for job in inbox:
+            older = self._jobs.get(job.job_id)
+            if older is not None:
+                # NOTE: this group claimed the job again (beat reclaimed it while we could
+                # not renew): the older attempt is lost, whether or not we heard so yet.
+                self._drop_lost({(job.job_id, older.job.attempt)})
             state = JobState(job)
             self._jobs[job.job_id] = state
             if job.job_id in cancelled:

@@ -92,7 +92,11 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name="llmq-heartbeat", daemon=True)
 
     def start(self) -> None:
-        self.beat()  # visible before the first task is fetched
+        try:
+            self.beat()  # visible before the first task is fetched
+        except Exception:  # Redis blinked: the thread beats again shortly
+            logger.warning("first heartbeat of %s failed", self.identity.group_id,
+                           exc_info=True)
         self._thread.start()
 
     def stop(self, *, remove: bool = True) -> None:

@@ -100,6 +100,7 @@ class GroupRuntime:
                     self.model_name, self.model_dir, time.monotonic() - started,
                     self.engine.max_model_len)
         self.redis = make_redis(s.redis_url)
+        self._wait_for_redis()
         # one connection per task thread (claims) plus the writer's, and a little slack
         self.db_engine = create_db_engine(s.database_url, pool_size=self.concurrency + 2,
                                           max_overflow=2)
@@ -156,6 +157,25 @@ class GroupRuntime:
             os.kill(os.getpid(), signal.SIGTERM)  # Celery's warm shutdown runs our drain
 
         threading.Thread(target=stop_worker, name="llmq-group-failed", daemon=True).start()
+
+    def _wait_for_redis(self) -> None:
+        """A worker started before Redis waits for it (broker, streams, heartbeat)."""
+        backoff, logged = 0.2, False
+        while True:
+            try:
+                self.redis.ping()
+                if logged:
+                    logger.info("group %s: Redis at %s answers", self.group_id,
+                                _redacted(self.settings.redis_url))
+                return
+            except Exception as exc:
+                if not logged:
+                    logger.warning("group %s is waiting for Redis at %s (broker, token "
+                                   "streams, heartbeat): %s", self.group_id,
+                                   _redacted(self.settings.redis_url), exc)
+                    logged = True
+                time.sleep(backoff)
+                backoff = min(5.0, backoff * 2)
 
     # -- health ----------------------------------------------------------------------------
 
@@ -280,3 +300,11 @@ class GroupRuntime:
 
     terminate = stop
 
+
+
+def _redacted(url: str) -> str:
+    """`url` without a password, for the log."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or "@" not in rest:
+        return url
+    return f"{scheme}://***@{rest.rpartition('@')[2]}"
