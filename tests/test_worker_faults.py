@@ -189,3 +189,24 @@ def test_redis_down_ten_seconds_mid_stream_every_client_gets_every_token_once(
         events = seen[job_id]
         assert [t for t, _ in events if t in ("done", "error", "cancelled")] == ["done"]
         assert "".join(text for t, text in events if t == "token") == row.output_text
+
+
+def test_a_worker_started_before_redis_waits_for_it(settings, redis, redis_server,
+                                                    session_factory, start_web, tmp_path):
+    redis_server.stop()
+    worker = WorkerProcess(settings, f"early-{uuid.uuid4().hex[:4]}", tmp_path,
+                           args=WORKER_ARGS)
+    try:
+        wait_for(lambda: "is waiting for Redis" in worker.log_tail(), 60,
+                 "the worker to say it waits for Redis", interval=0.2)
+        time.sleep(11)  # longer than the ~10 s after which it used to give up
+        assert worker.process.poll() is None, worker.log_tail()
+        redis_server.start()
+        worker.wait_ready(redis)
+        base_url = start_web(settings)
+        job_id = submit(base_url, prompt="late redis", max_tokens=20)["id"]
+        rows = _wait_all_terminal(session_factory, [job_id], 60)
+    finally:
+        code = worker.terminate()
+    assert code == 0, worker.log_tail()
+    assert rows[job_id].status == JobStatus.SUCCEEDED.value

@@ -23,6 +23,9 @@ from tasks.settings import Settings
 
 logger = logging.getLogger(__name__)
 
+# how long the last beat of a group that stopped unhealthy stays visible (`/ready` says why)
+UNHEALTHY_ALIVE_SECONDS = 60
+
 
 class BeatPipeline(Protocol):
     """The commands of one beat, sent together (`redis.client.Pipeline`)."""
@@ -106,7 +109,7 @@ class Heartbeat:
         self._thread.join(self.interval + 5.0)
         if not remove:
             try:
-                self.beat()
+                self.beat(alive_seconds=UNHEALTHY_ALIVE_SECONDS)
             except Exception:
                 logger.warning("could not write the last heartbeat of %s",
                                self.identity.group_id, exc_info=True)
@@ -132,13 +135,14 @@ class Heartbeat:
         figures["updated_at"] = time.time()
         return figures
 
-    def beat(self) -> None:
+    def beat(self, alive_seconds: int | None = None) -> None:
         figures = self.figures()
         payload = json.dumps(figures, separators=(",", ":"))
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(groups_key(self.settings, self.identity.model), self.identity.group_id,
                   payload)
-        pipe.set(self._alive_key(), payload, ex=max(1, int(self.interval * 3 + 0.999)))
+        pipe.set(self._alive_key(), payload,
+                 ex=alive_seconds or max(1, int(self.interval * 3 + 0.999)))
         metrics, written = self.metrics, None
         if metrics is not None:
             # NOTE: the service counters ride on this pipeline: no extra round trip
