@@ -17,8 +17,9 @@ awaited. Faults:
 
 Per fault it prints submitted / succeeded / failed (with reason) / lost (not ended in
 time) / duplicated (more than one terminal event, or more tokens in the stream than the
-stored output) / truncated (fewer) and the recovery time: from the service's return to the
-first job ending after it. A Markdown table at the end; `--json` for the raw figures.
+stored output) / truncated (fewer) / run twice (attempts > 1: reclaimed, not lost) and the
+recovery time: from the service's return to the first job ending after it. A Markdown
+table at the end; `--json` for the raw figures.
 """
 
 from __future__ import annotations
@@ -190,6 +191,7 @@ def run_fault(stack: Stack, args: argparse.Namespace, fault: str) -> dict[str, A
         time.sleep(0.5)
     counts: collections.Counter[str] = collections.Counter()
     reasons: collections.Counter[str] = collections.Counter()
+    rerun = sum(1 for i in ids if (read_job(stack.session_factory, i).attempts or 0) > 1)
     for job_id in ids:
         outcome, reason = classify(stack, job_id)
         counts[outcome] += 1
@@ -198,7 +200,7 @@ def run_fault(stack: Stack, args: argparse.Namespace, fault: str) -> dict[str, A
     return {"fault": fault, "submitted": len(ids), "succeeded": counts["succeeded"],
             "failed": counts["failed"], "failed_reasons": dict(reasons),
             "lost": counts["lost"], "duplicated": counts["duplicated"],
-            "truncated": counts["truncated"],
+            "truncated": counts["truncated"], "rerun": rerun,
             "recovery_seconds": None if first_end_after is None
             else max(0.0, first_end_after - back_at),
             "total_seconds": time.monotonic() - started}
@@ -225,14 +227,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{args.num_jobs} jobs x {args.max_tokens} tokens per fault, {args.groups} groups, "
           f"`{args.preset}` qwen3, lease {args.lease_seconds:g} s\n")
     print("| fault | submitted | succeeded | failed (reason) | lost | duplicated | truncated "
-          "| recovery s | total s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| run twice | recovery s | total s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         reasons = "; ".join(f"{n} {why}" for why, n in r["failed_reasons"].items())
         recovery = "-" if r["recovery_seconds"] is None else f"{r['recovery_seconds']:.1f}"
         print(f"| {r['fault']} | {r['submitted']} | {r['succeeded']} | {r['failed']}"
               f"{f' ({reasons})' if reasons else ''} | {r['lost']} | {r['duplicated']} | "
-              f"{r['truncated']} | {recovery} | {r['total_seconds']:.1f} |")
+              f"{r['truncated']} | {r['rerun']} | {recovery} | {r['total_seconds']:.1f} |")
     if args.json:
         print(json.dumps(results))
     bad = sum(r["lost"] + r["duplicated"] + r["truncated"] + r["failed"] for r in results)

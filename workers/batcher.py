@@ -18,11 +18,10 @@ engine with a terminal `error` event and a reason; the thread keeps serving.
 
 Health (the group's circuit breaker, DESIGN.md section 1): the engine isolates a failing
 request itself and counts consecutive failed steps (`num_consecutive_failed_steps`); an
-exception that escapes `engine.step()` counts as a failed step too. Once that count
-reaches `max_consecutive_failed_steps`, the step's jobs are NOT failed: the batcher stops
-and hands every job back (`on_unhealthy`), since a device that keeps failing says nothing
-about the jobs. `step_started_at` and `last_progress_at` let the runtime's watchdog see a
-hung step, and the writer renew leases only while steps complete.
+exception that escapes `engine.step()` counts as a failed step too (`workers/step_health.py`).
+Once that count reaches `max_consecutive_failed_steps`, the step's jobs are NOT failed: the
+batcher stops and hands every job back (`on_unhealthy`), since a device that keeps failing
+says nothing about the jobs.
 
 Fencing: every event carries its job's attempt; a job whose row moved on (the writer's
 write matched no row, or a lease renewal found it reclaimed) is dropped between steps
@@ -50,6 +49,7 @@ from workers.engine.outputs import CompletionDelta
 from workers.inbox import JobInbox
 from workers.job_rows import JobProgress, JobResult
 from workers.job_state import JobState
+from workers.step_health import StepHealth
 from workers.step_publisher import StepPublisher
 
 logger = logging.getLogger(__name__)
@@ -126,17 +126,9 @@ class Batcher:
         self._finished: list[JobState] = []
         self._first_tokens: list[JobState] = []  # results to hand over after this step's events
         self.aborted: list[AdmittedJob] = []  # set when the loop ends: jobs given back
-        self.max_consecutive_failed_steps = max_consecutive_failed_steps
         self.on_unhealthy = on_unhealthy  # called (batcher thread) when the breaker trips
-        self.num_consecutive_failed_steps = 0
-        # TEST ONLY (LLMQ_FAULT_INJECT_STEP_FAILURES): this many steps raise, as a failing
-        # device would; nothing else in the service reads it
-        self._fault_inject_step_failures = fault_inject_step_failures
-        # time.monotonic() the running step started (None between steps), and of the last
-        # step completed or idle wait: the watchdog and the lease renewal read them
-        self.step_started_at: float | None = None
-        self.last_progress_at = time.monotonic()
-        self.tripped: str | None = None  # why the breaker tripped
+        self.health = StepHealth(max_consecutive_failed_steps,
+                                 fault_inject_step_failures=fault_inject_step_failures)
         self.publisher = StepPublisher(publisher.sender(), writer.finish)
         # figures of finished jobs; the heartbeat writes them to Redis (no I/O here)
         self.metrics = WorkerMetrics()
@@ -207,7 +199,7 @@ class Batcher:
             # can change while it waits: only the inbox can bring work.
             if not (self._jobs or self.engine.has_unfinished_requests()):
                 while not self._inbox.wait(self.stats_interval):
-                    self.last_progress_at = time.monotonic()  # idle counts as healthy
+                    self.health.idle()
                     self._refresh_stats(force=True)  # idle: keep the load figures fresh
             work = self._inbox.take()
             if work.stopping:
@@ -224,16 +216,18 @@ class Batcher:
             elif self._jobs:
                 self._fail_orphans(events)
             self._emit(events)
-            if self.tripped is not None:
+            if self.health.tripped is not None:
                 self._inbox.stop_admitting()
                 self._abort_everything(self._inbox.take().jobs)
-                if self.on_unhealthy is not None:
-                    self.on_unhealthy(self.tripped)  # hands self.aborted back
                 break
             self._send_progress()
             self._refresh_stats()
         self.publisher.stop()
         logger.info("batcher stopped after %d steps", self._num_steps)
+        if self.health.tripped is not None and self.on_unhealthy is not None:
+            # NOTE: after the publisher stopped: every event of the jobs handed back is
+            # stored before their `restart` goes out
+            self.on_unhealthy(self.health.tripped)  # hands self.aborted back
 
     def _apply_cancels(self, cancels: set[str], events: list[tuple[str, JobEvent]]) -> None:
         for job_id in cancels:
@@ -296,28 +290,15 @@ class Batcher:
             self.publisher.forget(job_id)
             self._inbox.release([state.job])
 
-    def _run_step(self) -> list[CompletionDelta]:
-        self.step_started_at = time.monotonic()
-        try:
-            if self._fault_inject_step_failures > 0:
-                self._fault_inject_step_failures -= 1
-                raise RuntimeError("injected step failure (LLMQ_FAULT_INJECT_STEP_FAILURES)")
-            return self.engine.step()
-        finally:
-            self.step_started_at = None
-
     def _step(self, events: list[tuple[str, JobEvent]]) -> None:
         try:
-            deltas = self._run_step()
+            deltas = self.health.run(self.engine.step)
         except Exception as exc:  # fail the batch, keep the thread
-            self.num_consecutive_failed_steps += 1
             reason = f"engine step failed: {type(exc).__name__}: {exc}"
-            if self.num_consecutive_failed_steps >= self.max_consecutive_failed_steps:
+            if self.health.step_raised(reason):
                 # NOTE: the device, not the jobs: hand them back (the loop ends)
                 logger.exception("engine step failed %d times in a row; the group stops",
-                                 self.num_consecutive_failed_steps)
-                self.tripped = (f"{self.num_consecutive_failed_steps} consecutive failed "
-                                f"steps (last: {reason})")
+                                 self.health.num_consecutive_failed_steps)
                 return
             logger.exception("engine step failed; failing %d jobs", len(self._jobs))
             for state in list(self._jobs.values()):
@@ -329,12 +310,8 @@ class Batcher:
                 self._fail(state, reason, events)
             return
         self._num_steps += 1
-        self.last_progress_at = time.monotonic()
-        self.num_consecutive_failed_steps = int(
-            getattr(self.engine, "num_consecutive_failed_steps", 0))
-        if self.num_consecutive_failed_steps >= self.max_consecutive_failed_steps:
-            self.tripped = (f"{self.num_consecutive_failed_steps} consecutive steps failed "
-                            "a request")
+        # NOTE: getattr until every engine counts its isolated failures (workers/engine)
+        self.health.step_completed(int(getattr(self.engine, "num_consecutive_failed_steps", 0)))
         self._handle_deltas(deltas, events)
 
     def _fail_orphans(self, events: list[tuple[str, JobEvent]]) -> None:

@@ -182,7 +182,7 @@ class GroupRuntime:
     def _steps_complete(self) -> bool:
         """The writer renews leases only while this holds: a step (or an idle wait) ended
         within the last half lease."""
-        return time.monotonic() - self.batcher.last_progress_at < self.settings.lease_seconds / 2
+        return self.batcher.health.seconds_since_progress() < self.settings.lease_seconds / 2
 
     def _on_lost(self, job_id: str, attempt: int) -> None:
         self.batcher.lose(job_id, attempt)
@@ -191,7 +191,7 @@ class GroupRuntime:
         """The watchdog: trip the group when one step runs past the step timeout."""
         timeout = self.settings.step_timeout_seconds
         while not self._stopped.wait(min(1.0, timeout / 4)):
-            started = self.batcher.step_started_at
+            started = self.batcher.health.step_started_at
             if started is not None and time.monotonic() - started > timeout:
                 self._trip(f"a step ran longer than {timeout:g}s "
                            "(LLMQ_STEP_TIMEOUT_SECONDS)", hung=True)
