@@ -17,7 +17,7 @@ awaited. Faults:
 
 Per fault it prints submitted / succeeded / failed (with reason) / lost (not ended in
 time) / duplicated (more than one terminal event, or more tokens in the stream than the
-stored output) / truncated (fewer) / run twice (attempts > 1: reclaimed, not lost) and the
+stored output) / truncated (fewer, or no terminal event last) / run twice (attempts > 1: reclaimed, not lost) and the
 recovery time: from the service's return to the first job ending after it. A Markdown
 table at the end; `--json` for the raw figures.
 """
@@ -161,13 +161,32 @@ def classify(stack: Stack, job_id: str) -> tuple[str, str | None]:
         return "failed", row.error
     events = [event for _, event in read_stream(stack.redis, stack.settings, job_id)]
     types = [event.type for event in events]
-    if sum(t.is_terminal for t in types) != 1 or not types[-1].is_terminal:
-        return "duplicated", None
+    num_terminal = sum(t.is_terminal for t in types)
+    if num_terminal != 1 or not types[-1].is_terminal:
+        outcome = "duplicated" if num_terminal > 1 else "truncated"
+        print(f"job {job_id} {outcome}: attempts {row.attempts}, events "
+              f"{_runs([t.value for t in types])}", file=sys.stderr)
+        return outcome, None
     start = max((i + 1 for i, t in enumerate(types) if t is EventType.RESTART), default=0)
     text = "".join(e.text for e in events[start:] if e.type is EventType.TOKEN)
     if text == row.output_text:
         return "succeeded", None
-    return ("duplicated" if len(text) > len(row.output_text) else "truncated"), None
+    outcome = "duplicated" if len(text) > len(row.output_text) else "truncated"
+    print(f"job {job_id} {outcome}: attempts {row.attempts}, events "
+          f"{_runs([t.value for t in types])}, stream text {len(text)} chars, stored "
+          f"{len(row.output_text)}", file=sys.stderr)
+    return outcome, None
+
+
+def _runs(types: list[str]) -> str:
+    """token x12, restart, token x40, done"""
+    runs: list[list[Any]] = []
+    for t in types:
+        if runs and runs[-1][0] == t:
+            runs[-1][1] += 1
+        else:
+            runs.append([t, 1])
+    return ", ".join(t if n == 1 else f"{t} x{n}" for t, n in runs)
 
 
 def run_fault(stack: Stack, args: argparse.Namespace, fault: str) -> dict[str, Any]:

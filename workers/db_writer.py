@@ -223,7 +223,7 @@ class DbWriter:
         with self._owned_lock:
             for item in items:
                 if isinstance(item, JobResult | JobRequeue):
-                    self._owned.pop(item.job_id, None)
+                    self._disown(item.job_id, item.attempt)
         self._lost(outcome.lost, items)
         self._unpublished += [(r.job_id, r.event, EventFence(r.attempt or 0, 0))
                               for r in written]
@@ -262,12 +262,17 @@ class DbWriter:
         attempts = {i.job_id: i.attempt for i in items or []
                     if isinstance(i, JobResult | JobRequeue) and i.attempt is not None}
         for job_id in job_ids:
-            attempt = attempts.get(job_id)
             with self._owned_lock:
-                owned = self._owned.pop(job_id, None)
-            attempt = attempt if attempt is not None else owned
+                attempt = attempts.get(job_id, self._owned.get(job_id))
+                self._disown(job_id, attempt)
             if attempt is not None and self.on_lost is not None:
                 self.on_lost(job_id, attempt)
+
+    def _disown(self, job_id: str, attempt: int | None) -> None:
+        """Caller holds _owned_lock. Stop renewing `attempt` of `job_id`; a newer claim of
+        the same job by this group keeps its lease."""
+        if attempt is None or self._owned.get(job_id) == attempt:
+            self._owned.pop(job_id, None)
 
     def _renew_leases(self) -> None:
         owned = self.owned()
