@@ -17,9 +17,9 @@ awaited. Faults:
 
 Per fault it prints submitted / succeeded / failed (with reason) / lost (not ended in
 time) / duplicated (more than one terminal event, or more tokens in the stream than the
-stored output) / truncated (fewer, or no terminal event last) / run twice (attempts > 1: reclaimed, not lost) and the
-recovery time: from the service's return to the first job ending after it. A Markdown
-table at the end; `--json` for the raw figures.
+stored output) / truncated (fewer, or no terminal event last) / run twice (attempts > 1:
+reclaimed, not lost) and the recovery time: from the service's return to the first job
+ending after it. A Markdown table at the end; `--json` for the raw figures.
 """
 
 from __future__ import annotations
