@@ -89,6 +89,15 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     max_n: int = Field(8, ge=1, le=MAX_N_LIMIT)
     drain_grace_seconds: float = Field(30.0, ge=0)
+    # circuit breaker of a device group: after this many consecutive failed steps, or a
+    # step running longer than step_timeout_seconds (watchdog), the group stops claiming,
+    # hands its jobs back without spending their attempts, reports itself unhealthy in
+    # its heartbeat and exits non-zero
+    max_consecutive_step_failures: int = Field(3, ge=1)
+    step_timeout_seconds: float = Field(300.0, gt=0)
+    # TEST ONLY: the batcher makes this many steps raise, as a failing device would
+    # (the breaker's integration test; nothing else reads it)
+    fault_inject_step_failures: int = Field(0, ge=0)
     # a non-streaming OpenAI request waits this long for its job, then cancels it (504)
     request_timeout_seconds: float = Field(600.0, gt=0)
     # engine defaults of a device-group worker

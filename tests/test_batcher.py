@@ -260,15 +260,15 @@ def test_drain_requeues_unfinished_jobs(service_settings, session_factory, redis
     aborted = batcher.drain(0.0)
     assert [job.job_id for job in aborted] == [job_id]
     for job in aborted:
-        writer.requeue(job.job_id, job.attempt + 1)
+        writer.requeue(job.job_id, job.attempt)  # a drain gives the attempt back
     late = insert_job(session_factory)
     assert admission.run(late) is GenerateOutcome.REQUEUED  # handed back untouched
     writer.stop()
     job = read_job(session_factory, job_id)
-    assert job.status == JobStatus.QUEUED.value and job.worker is None and job.attempts == 1
+    assert job.status == JobStatus.QUEUED.value and job.worker is None and job.attempts == 0
     assert sorted(sent) == sorted([job_id, late])
     events = [e for _, e in read_stream(redis_client, settings, job_id)]
-    assert events[-1].type is EventType.RESTART and events[-1].attempt == 2
+    assert events[-1].type is EventType.RESTART and events[-1].attempt == 1
     assert read_job(session_factory, late).status == JobStatus.QUEUED.value
     assert not tiny_engine.has_unfinished_requests()
 

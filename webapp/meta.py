@@ -55,6 +55,14 @@ def ready() -> tuple[Response, int]:
         checks["redis"] = "unreachable"
         missing.append("redis (check LLMQ_REDIS_URL)")
     if checks["redis"] == "ok":
+        # NOTE: a group whose breaker tripped leaves an unhealthy last beat: not a worker
+        unhealthy = {name: {group["id"]: group.get("unhealthy_reason", "unhealthy")
+                            for group in groups if group.get("healthy") is False}
+                     for name, groups in live.items()}
+        live = {name: [group for group in groups if group["id"] not in unhealthy[name]]
+                for name, groups in live.items()}
+        if any(unhealthy.values()):
+            checks["unhealthy"] = {name: ids for name, ids in unhealthy.items() if ids}
         checks["workers"] = {name: len(groups) for name, groups in live.items()}
         # each live group's devices and KV capacity (workers.engine.topology.GroupTopology)
         checks["topology"] = {name: [{"id": group["id"], **group.get("topology", {})}

@@ -87,6 +87,7 @@ class JobState:
             job_id=self.job.job_id,
             output_text="".join(self.texts[0]),
             completion_tokens=sum(len(t) for t in self.token_ids),
+            attempt=self.job.attempt,
             first_token_at=self.first_token_at,
         )
 
@@ -127,6 +128,7 @@ class JobState:
             cached_tokens=self.num_cached_tokens,
             event=event,
             first_token_at=self.first_token_at,
+            attempt=self.job.attempt,
         )
 
     def figures(self, result: JobResult) -> JobFigures:
