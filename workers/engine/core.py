@@ -16,6 +16,7 @@ from kvcache.kv_cache_manager import KVCacheManager
 from tasks.params import ModelLimits, SamplingParams, check_token_ids
 from workers.engine.config import EngineConfig, EngineStats, PromptTooLongError
 from workers.engine.detokenizer import IncrementalDetokenizer
+from workers.engine.errors import DeviceGroupError
 from workers.engine.outputs import CompletionDelta
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Sequence, SequenceStatus
@@ -274,6 +275,12 @@ class Engine:
                 if structured is not None:
                     structured.fill_bitmask(scheduler_output, self.scheduler.seqs)
                 runner_output = self.runner.execute(scheduler_output)
+            except DeviceGroupError:
+                # NOTE: nothing to isolate; what the step was to write stays unfindable
+                self.num_failed_steps += 1
+                self.num_consecutive_failed_steps += 1
+                self.kv_manager.discard_uncommitted()
+                raise
             except Exception as exc:
                 return failed + self._step_failed(scheduler_output, exc)
         else:

@@ -11,11 +11,12 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from workers.engine.errors import DeviceGroupError
 from workers.engine.parallel.messages import RankFailed, RankReady, RankSpec
 from workers.engine.parallel.rank import init_distributed, rank_main
 
 
-class TensorParallelError(RuntimeError):
+class TensorParallelError(DeviceGroupError):
     """The TP group lost a rank (or a rank failed a step); it cannot run another step."""
 
 
