@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -170,7 +172,6 @@ def test_submitted_job_appears_without_reload(tab, worker, session_factory):
     # the counts follow the database
     tab.page.wait_for_function(
         "n => Number(document.querySelector('[data-status=succeeded] b').textContent) >= n", arg=1)
-    tab.screenshot("dashboard-jobs")
     tab.assert_no_errors()
 
 
@@ -263,9 +264,100 @@ def test_groups_panel_shows_the_worker(tab, worker):
     assert cells[1] == "tiny" and cells[2] == "cpu" and cells[3] == "1"
     queue = tab.page.locator('#queues-body tr[data-model="tiny"] td').all_text_contents()
     assert queue[0] == "tiny" and int(queue[4]) >= 1
-    # the rate charts draw once two samples exist
-    tab.page.wait_for_selector('svg[data-chart="tokens"] path.line', state="attached")
+    # work shows in the rates: tokens/s above zero while jobs run, then a TTFT figure
+    for i in range(6):
+        submit(tab.base_url, prompt=f"rate {i}", max_tokens=120, ignore_eos=True)
+    tab.page.wait_for_function(
+        "() => Number(document.querySelector('[data-rate=tokens]').textContent) > 0")
+    tab.page.wait_for_function(
+        "() => Number(document.querySelector('[data-rate=ttft]').textContent) > 0")
+    # the latency charts draw a line once samples hold a value (a few polls)
+    tab.page.wait_for_function(
+        "() => (document.querySelector('svg[data-chart=ttft] path.line')?.getAttribute('d')"
+        " ?? '').split('L').length > 4")
+    tab.screenshot("dashboard-overview")
     tab.assert_no_errors()
+
+
+class DroppingProxy:
+    """A TCP proxy in front of the web app whose open connections the test can cut: a
+    real network drop in the middle of a response, seen by the browser as one."""
+
+    def __init__(self, upstream: str) -> None:
+        host, port = upstream.removeprefix("http://").split(":")
+        self.upstream = (host, int(port))
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.open: list[socket.socket] = []
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.upstream)
+            with self.lock:
+                self.open += [client, server]
+            for source, target in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(source, target), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, target: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                target.sendall(data)
+        except OSError:
+            pass
+        for sock in (source, target):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def drop(self) -> None:
+        """Cut every open connection (both sides)."""
+        with self.lock:
+            sockets, self.open = self.open, []
+        for sock in sockets:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+
+    def close(self) -> None:
+        self.listener.close()
+        self.drop()
+
+
+def test_stream_resumes_after_a_drop(browser, base_url, worker, session_factory):
+    proxy = DroppingProxy(base_url)
+    tab = Tab(browser, proxy.url)
+    try:
+        job = submit(base_url, prompt="drop me", max_tokens=500, ignore_eos=True,
+                     temperature=0.0)
+        events_requests: list[dict[str, str]] = []
+        tab.page.on("request", lambda r: "/events" in r.url
+                    and events_requests.append(r.headers))
+        tab.open(f"#/jobs/{job['id']}")
+        tab.page.wait_for_function(
+            "() => document.querySelector('#job-outputs pre.output')?.textContent.length > 0")
+        assert read_job(session_factory, job["id"]).status == JobStatus.RUNNING.value
+        proxy.drop()  # mid-stream: the page reconnects by itself
+        text = _wait_stream_complete(tab)
+        assert len(events_requests) >= 2 and "last-event-id" not in events_requests[0]
+        assert all(h.get("last-event-id") for h in events_requests[1:])
+        # resumed exactly after the last event: nothing lost, nothing twice
+        assert text == get_job(base_url, job["id"])["text"]
+        assert read_job(session_factory, job["id"]).completion_tokens == 500
+        # a poll cut by the drop may log its network error; no script error may occur
+        tab.assert_no_errors(allowed=r"net::ERR_")
+    finally:
+        tab.close()
+        proxy.close()
 
 
 def test_auth_mode_shows_only_the_keys_jobs(browser, start_web, service_settings,

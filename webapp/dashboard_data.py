@@ -65,37 +65,43 @@ class JobPage:
 
 def list_jobs(session: Session, flt: JobFilter) -> JobPage:
     """The newest jobs matching `flt`, one page, in keyset order."""
-    statement: Select[Any] = (
-        select(Job.id, Job.model, Job.kind, Job.status, Job.priority, Job.attempts, Job.worker,
-               Job.finish_reason, func.substr(Job.prompt, 1, PROMPT_PREVIEW_CHARS),
-               Job.prompt_tokens, Job.completion_tokens, Job.cached_tokens, Job.created_at,
-               Job.started_at, Job.first_token_at, Job.finished_at, ApiKey.name)
-        .outerjoin(ApiKey, ApiKey.id == Job.api_key_id)
-        .order_by(Job.created_at.desc(), Job.id.desc())
-        .limit(flt.limit + 1)
-    )
-    statement = _scoped(statement, flt.owner, flt.auth_enabled)
+    # NOTE: the page is chosen on (created_at, id) alone and its rows fetched after: a
+    # sort over every matching row then carries two narrow columns, not the row preview.
+    chosen: Select[Any] = (select(Job.id, Job.created_at)
+                           .order_by(Job.created_at.desc(), Job.id.desc())
+                           .limit(flt.limit + 1))
+    chosen = _scoped(chosen, flt.owner, flt.auth_enabled)
     if flt.statuses:
-        statement = statement.where(Job.status.in_(flt.statuses))
+        chosen = chosen.where(Job.status.in_(flt.statuses))
     if flt.model:
-        statement = statement.where(Job.model == flt.model)
+        chosen = chosen.where(Job.model == flt.model)
     if flt.kind:
-        statement = statement.where(Job.kind == flt.kind)
+        chosen = chosen.where(Job.kind == flt.kind)
     if flt.key:
-        statement = statement.where(_key_matches(flt.key))
+        chosen = chosen.where(_key_matches(flt.key))
     if flt.created_after is not None:
-        statement = statement.where(Job.created_at >= flt.created_after)
+        chosen = chosen.where(Job.created_at >= flt.created_after)
     if flt.created_before is not None:
-        statement = statement.where(Job.created_at < flt.created_before)
+        chosen = chosen.where(Job.created_at < flt.created_before)
     if flt.after is not None:
         cursor = session.execute(_scoped(select(Job.created_at, Job.id).where(
             Job.id == flt.after), flt.owner, flt.auth_enabled)).first()
         if cursor is None:
             return JobPage([], False, cursor_found=False)
-        statement = statement.where(or_(
+        chosen = chosen.where(or_(
             Job.created_at < cursor.created_at,
             (Job.created_at == cursor.created_at) & (Job.id < cursor.id),
         ))
+    page = chosen.subquery()
+    statement = (
+        select(Job.id, Job.model, Job.kind, Job.status, Job.priority, Job.attempts, Job.worker,
+               Job.finish_reason, func.substr(Job.prompt, 1, PROMPT_PREVIEW_CHARS),
+               Job.prompt_tokens, Job.completion_tokens, Job.cached_tokens, Job.created_at,
+               Job.started_at, Job.first_token_at, Job.finished_at, ApiKey.name)
+        .join(page, page.c.id == Job.id)
+        .outerjoin(ApiKey, ApiKey.id == Job.api_key_id)
+        .order_by(page.c.created_at.desc(), page.c.id.desc())
+    )
     result = session.execute(statement).all()
     rows = [_row(values) for values in result[:flt.limit]]
     return JobPage(rows, len(result) > flt.limit)

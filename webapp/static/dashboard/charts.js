@@ -28,14 +28,16 @@ export class RingBuffer {
   }
 }
 
-/** Draw `samples` (a RingBuffer of {t, value}) into `svg` over the last `spanSeconds`;
- * a null value breaks the line (no data then, e.g. no job finished). */
-export function drawChart(svg, samples, spanSeconds) {
+/** Draw `samples` (a RingBuffer of {t, value}) into `svg` over the last `spanSeconds`
+ * (or since the first sample, while the page is younger than that); a null value breaks
+ * the line (no data then, e.g. no job finished). */
+export function drawChart(svg, samples, maxSpanSeconds) {
   const items = samples.items;
   svg.replaceChildren();
   if (!items.length) return;
   const end = items[items.length - 1].t;
-  const start = end - spanSeconds;
+  const start = Math.max(end - maxSpanSeconds, items[0].t);
+  const spanSeconds = Math.max(end - start, 1e-9);
   const values = items.map((item) => item.value).filter((v) => v !== null);
   const top = Math.max(...values, 1e-9) * 1.15;
   const x = (t) => ((t - start) / spanSeconds) * WIDTH;
@@ -45,6 +47,8 @@ export function drawChart(svg, samples, spanSeconds) {
   let segment = [];
   const flush = () => {
     if (!segment.length) return;
+    // a lone value still shows: a short level stroke ending at it
+    if (segment.length === 1) segment.unshift([segment[0][0] - 3, segment[0][1]]);
     line += segment.map(([px, py], i) => `${i ? "L" : "M"}${px.toFixed(1)},${py.toFixed(1)}`)
       .join("");
     const first = segment[0][0].toFixed(1);

@@ -6,7 +6,8 @@ import { ago, el, number } from "./format.js";
 
 const POLL_SECONDS = 2;
 const SPAN_SECONDS = 300;   // the charts show the last five minutes
-const WINDOW_SECONDS = 10;  // each rate is measured over this window (smooths the beats)
+const RATE_WINDOW_SECONDS = 10;     // rates over this window (smooths the heartbeats)
+const LATENCY_WINDOW_SECONDS = 60;  // latencies: the mean of the jobs finished in it
 
 const samples = new RingBuffer(Math.ceil(SPAN_SECONDS / POLL_SECONDS) + 8); // cumulative
 const series = {
@@ -40,10 +41,12 @@ function totals(models) {
 function addSample(summary) {
   const now = { t: summary.time, ...totals(summary.models) };
   samples.push(now);
-  const then = samples.since(WINDOW_SECONDS);
+  const then = samples.since(RATE_WINDOW_SECONDS);
+  const before = samples.since(LATENCY_WINDOW_SECONDS);
   const seconds = now.t - then.t;
   const delta = (name) => now[name] - then[name];
-  const ratio = (sum, count) => (delta(count) > 0 ? delta(sum) / delta(count) : null);
+  const ratio = (sum, count) => (now[count] > before[count]
+    ? (now[sum] - before[sum]) / (now[count] - before[count]) : null);
   const values = {
     tokens: seconds > 0 ? delta("generation_tokens") / seconds : 0,
     jobs: seconds > 0 ? delta("finished_jobs") / seconds : 0,
