@@ -7,14 +7,9 @@ the README shows); without it nothing is written.
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
-import socket
-import threading
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import requests
@@ -22,31 +17,21 @@ from sqlalchemy import func, select
 
 from tasks.auth import create_api_key
 from tasks.models import Job, JobStatus
+from tests.browser_helpers import DroppingProxy, Tab, chromium_executable
 from tests.pipeline_helpers import get_job, read_job, running_worker, submit, wait_terminal
 
 pytestmark = pytest.mark.integration
 
-CHROMIUM = "/usr/bin/chromium"
-MISSING = "chromium is not installed (Debian: apt-get install chromium)"
 WORKER_ARGS = ["--max-num-seqs", "8", "--kv-cache-bytes", str(16 * 1024 * 1024)]
-LONG = {"max_tokens": 600, "ignore_eos": True, "temperature": 0.0}
-TIMEOUT_MS = 60_000
-
-
-def _chromium() -> str:
-    """The browser to drive. Missing: a skip on a developer's machine, a failure in CI
-    (the CI environment variable set; .ci/run installs it)."""
-    exe = CHROMIUM if os.path.exists(CHROMIUM) else shutil.which("chromium")
-    if exe:
-        return exe
-    if os.environ.get("CI"):
-        pytest.fail(MISSING)
-    pytest.skip(MISSING)
+# a job that runs several seconds on the tiny model, even on an idle machine: the page
+# opens, streams and can cancel well before its end
+STREAMED_TOKENS = 1500
+LONG = {"max_tokens": STREAMED_TOKENS, "ignore_eos": True, "temperature": 0.0}
 
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[object]:
-    exe = _chromium()
+    exe = chromium_executable()
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
@@ -66,36 +51,6 @@ def worker(service_settings, redis_client, tmp_path_factory):
 @pytest.fixture
 def base_url(start_web, service_settings) -> str:
     return start_web(service_settings)
-
-
-class Tab:
-    """One browser tab; records every console error and uncaught exception."""
-
-    def __init__(self, browser, base_url: str) -> None:
-        self.context = browser.new_context(viewport={"width": 1440, "height": 900})
-        self.page = self.context.new_page()
-        self.page.set_default_timeout(TIMEOUT_MS)
-        self.base_url = base_url
-        self.errors: list[str] = []
-        self.page.on("console", lambda message: message.type == "error"
-                     and self.errors.append(f"console: {message.text}"))
-        self.page.on("pageerror", lambda error: self.errors.append(f"exception: {error}"))
-
-    def open(self, fragment: str = "#/") -> None:
-        self.page.goto(f"{self.base_url}/{fragment}")
-
-    def assert_no_errors(self, allowed: str | None = None) -> None:
-        errors = [e for e in self.errors if allowed is None or not re.search(allowed, e)]
-        assert errors == [], errors
-
-    def screenshot(self, name: str) -> None:
-        directory = os.environ.get("LLMQ_SCREENSHOTS_DIR")
-        if directory:
-            Path(directory).mkdir(parents=True, exist_ok=True)
-            self.page.screenshot(path=str(Path(directory) / f"{name}.png"))
-
-    def close(self) -> None:
-        self.context.close()
 
 
 @pytest.fixture
@@ -134,7 +89,7 @@ def test_dashboard_api_filters_and_pages(base_url, session_factory):
     ids = [submit(base_url, prompt=f"{marker} {i}", max_tokens=1)["id"] for i in range(3)]
     listed = requests.get(f"{base_url}/v1/dashboard/jobs?limit=100&kind=completion",
                           timeout=30).json()
-    assert [j["id"] for j in listed["data"] if j["prompt_preview"].startswith(marker)] \
+    assert [j["id"] for j in listed["data"] if (j["prompt_preview"] or "").startswith(marker)] \
         == ids[::-1]
     page = requests.get(f"{base_url}/v1/dashboard/jobs?limit=1&after={ids[2]}",
                         timeout=30).json()
@@ -176,8 +131,9 @@ def test_submitted_job_appears_without_reload(tab, worker, session_factory):
 
 
 def test_job_page_streams_to_the_stored_text(tab, worker, session_factory):
-    job = submit(tab.base_url, prompt="stream me", max_tokens=400, ignore_eos=True,
-                 temperature=0.0)
+    # long enough that the page opens well before the end, even on a loaded machine
+    job = submit(tab.base_url, prompt="stream me", max_tokens=STREAMED_TOKENS,
+                 ignore_eos=True, temperature=0.0)
     tab.open(f"#/jobs/{job['id']}")
     # text shows while the job still runs: it comes from the live events, not the row
     tab.page.wait_for_function(
@@ -186,7 +142,8 @@ def test_job_page_streams_to_the_stored_text(tab, worker, session_factory):
     assert read_job(session_factory, job["id"]).status == JobStatus.RUNNING.value
     text = _wait_stream_complete(tab)
     stored = read_job(session_factory, job["id"])
-    assert stored.status == JobStatus.SUCCEEDED.value and stored.completion_tokens == 400
+    assert stored.status == JobStatus.SUCCEEDED.value
+    assert stored.completion_tokens == STREAMED_TOKENS
     assert text == get_job(tab.base_url, job["id"])["text"] and text.startswith(partial)
     assert len(text) > len(partial)
     tab.page.wait_for_selector('#job-status .status.succeeded')
@@ -200,7 +157,7 @@ def test_job_page_streams_to_the_stored_text(tab, worker, session_factory):
 
 
 def test_cancel_from_the_button(tab, worker, session_factory):
-    job = submit(tab.base_url, prompt="cancel me", **LONG)
+    job = submit(tab.base_url, prompt="cancel me", **LONG)  # several seconds of work
     tab.open(f"#/jobs/{job['id']}")
     tab.page.wait_for_selector("#job-status .status.running")
     tab.page.wait_for_function(
@@ -279,65 +236,11 @@ def test_groups_panel_shows_the_worker(tab, worker):
     tab.assert_no_errors()
 
 
-class DroppingProxy:
-    """A TCP proxy in front of the web app whose open connections the test can cut: a
-    real network drop in the middle of a response, seen by the browser as one."""
-
-    def __init__(self, upstream: str) -> None:
-        host, port = upstream.removeprefix("http://").split(":")
-        self.upstream = (host, int(port))
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
-        self.open: list[socket.socket] = []
-        self.lock = threading.Lock()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            server = socket.create_connection(self.upstream)
-            with self.lock:
-                self.open += [client, server]
-            for source, target in ((client, server), (server, client)):
-                threading.Thread(target=self._pump, args=(source, target), daemon=True).start()
-
-    @staticmethod
-    def _pump(source: socket.socket, target: socket.socket) -> None:
-        try:
-            while data := source.recv(65536):
-                target.sendall(data)
-        except OSError:
-            pass
-        for sock in (source, target):
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def drop(self) -> None:
-        """Cut every open connection (both sides)."""
-        with self.lock:
-            sockets, self.open = self.open, []
-        for sock in sockets:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            sock.close()
-
-    def close(self) -> None:
-        self.listener.close()
-        self.drop()
-
-
 def test_stream_resumes_after_a_drop(browser, base_url, worker, session_factory):
     proxy = DroppingProxy(base_url)
     tab = Tab(browser, proxy.url)
     try:
-        job = submit(base_url, prompt="drop me", max_tokens=500, ignore_eos=True,
+        job = submit(base_url, prompt="drop me", max_tokens=STREAMED_TOKENS, ignore_eos=True,
                      temperature=0.0)
         events_requests: list[dict[str, str]] = []
         tab.page.on("request", lambda r: "/events" in r.url
@@ -352,7 +255,7 @@ def test_stream_resumes_after_a_drop(browser, base_url, worker, session_factory)
         assert all(h.get("last-event-id") for h in events_requests[1:])
         # resumed exactly after the last event: nothing lost, nothing twice
         assert text == get_job(base_url, job["id"])["text"]
-        assert read_job(session_factory, job["id"]).completion_tokens == 500
+        assert read_job(session_factory, job["id"]).completion_tokens == STREAMED_TOKENS
         # a poll cut by the drop may log its network error; no script error may occur
         tab.assert_no_errors(allowed=r"net::ERR_")
     finally:

@@ -97,7 +97,7 @@ def list_jobs(session: Session, flt: JobFilter) -> JobPage:
         select(Job.id, Job.model, Job.kind, Job.status, Job.priority, Job.attempts, Job.worker,
                Job.finish_reason, func.substr(Job.prompt, 1, PROMPT_PREVIEW_CHARS),
                Job.prompt_tokens, Job.completion_tokens, Job.cached_tokens, Job.created_at,
-               Job.started_at, Job.first_token_at, Job.finished_at, ApiKey.name)
+               Job.started_at, Job.first_token_at, Job.finished_at, ApiKey.name, Job.messages)
         .join(page, page.c.id == Job.id)
         .outerjoin(ApiKey, ApiKey.id == Job.api_key_id)
         .order_by(page.c.created_at.desc(), page.c.id.desc())
@@ -222,7 +222,10 @@ def _key_matches(key: str) -> Any:
 def _row(values: Any) -> dict[str, Any]:
     (job_id, model, kind, status, priority, attempts, worker, finish_reason, preview,
      prompt_tokens, completion_tokens, cached_tokens, created_at, started_at, first_token_at,
-     finished_at, key_name) = values
+     finished_at, key_name, messages) = values
+    if messages:
+        # a chat job's stored prompt is the template's rendering; its last message reads better
+        preview = _message_text(messages[-1])[:PROMPT_PREVIEW_CHARS]
     return {
         "id": str(job_id), "model": model, "kind": kind, "status": status,
         "priority": priority, "attempts": attempts, "worker": worker,
@@ -233,6 +236,14 @@ def _row(values: Any) -> dict[str, Any]:
         "ttft_seconds": _seconds(started_at, first_token_at),
         "run_seconds": _seconds(started_at, finished_at),
     }
+
+
+def _message_text(message: Any) -> str:
+    content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, list):  # content parts: their text
+        content = " ".join(str(part.get("text", "")) for part in content
+                           if isinstance(part, dict))
+    return content if isinstance(content, str) else ""
 
 
 def _iso(moment: datetime | None) -> str | None:

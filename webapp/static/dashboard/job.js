@@ -30,6 +30,7 @@ export function showJob(jobId) {
     if (TERMINAL.has(job.status) && state.ended) state.stopPolling();
   }, POLL_SECONDS, (error) => {
     if (current !== state) return;
+    if (error.status === 404) state.stopPolling(); // it will not appear later
     showError(error.status === 404 ? `No job ${jobId} (or not one of this key's jobs).`
                                    : error.message);
   });
