@@ -1,8 +1,12 @@
 """What the dashboard reads: job listings with filters, counts, device groups, rate counters.
 
 Every query is bounded: a page of at most MAX_PAGE_SIZE rows in keyset order
-(`created_at DESC, id DESC`), counts grouped in the database. Counts by status use the
-`(status, lease_expires_at)` index; a key's listing uses `(api_key_id, created_at)`.
+(`created_at DESC, id DESC`), counts grouped in the database. Counts by status and the
+queued/running filters use the `(status, lease_expires_at)` index; a key's listing uses
+`(api_key_id, created_at)`. NOTE: the jobs table has no index on `created_at` alone, so the
+unscoped listing (auth off) scans the table and keeps the top rows: ~20 ms at 10,000 jobs,
+~130 ms at 100,000 (benchmarks/bench_dashboard.py); an index on `(created_at, id)` makes it
+constant.
 Nothing here knows about HTTP: the views in `webapp/dashboard.py` parse the request into a
 `JobFilter` and render what comes back.
 """
