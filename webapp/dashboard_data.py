@@ -4,9 +4,10 @@ Every query is bounded: a page of at most MAX_PAGE_SIZE rows in keyset order
 (`created_at DESC, id DESC`), counts grouped in the database. Counts by status and the
 queued/running filters use the `(status, lease_expires_at)` index; a key's listing uses
 `(api_key_id, created_at)`. NOTE: the jobs table has no index on `created_at` alone, so the
-unscoped listing (auth off) scans the table and keeps the top rows: ~20 ms at 10,000 jobs,
-~130 ms at 100,000 (benchmarks/bench_dashboard.py); an index on `(created_at, id)` makes it
-constant.
+unscoped listing (auth off) scans the table and keeps the top rows: 6-35 ms at 10,000 jobs,
+~130 ms at 100,000 on 2 cores (benchmarks/bench_dashboard.py); an index on
+`(created_at, id)` would make it constant.
+
 Nothing here knows about HTTP: the views in `webapp/dashboard.py` parse the request into a
 `JobFilter` and render what comes back.
 """
