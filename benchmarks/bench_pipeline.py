@@ -6,7 +6,8 @@ In one run, on one random checkpoint (written with `workers.engine.make_model`):
 
 1. offline: the engine alone (`build_engine`, same config as the worker) runs
    the workload, every request added at once: output tokens/s;
-2. pipeline: gunicorn serving the API (gthread), one device-group worker process, real
+2. pipeline: gunicorn serving the API as `llmq web` does (gthread threads for requests,
+   the stream server for event streams), one device-group worker process, real
    Postgres and Redis; `--num-jobs` clients each POST a job and read its SSE stream to
    the end, all concurrently: output tokens/s from the first POST to the last terminal
    event, and per-token delivery latency = SSE client receive time - the batcher's publish
@@ -48,6 +49,9 @@ from tasks.redis_client import make_redis  # noqa: E402
 from tasks.settings import Settings  # noqa: E402
 from tests.pipeline_helpers import worker_env  # noqa: E402
 
+WORKER_CLASSES = {"stream": "webapp.stream_worker.StreamWorker", "gthread": "gthread",
+                  "gevent": "gevent"}
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -65,7 +69,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--web-threads", type=int, default=128)
     p.add_argument("--worker-concurrency", type=int, default=None,
                    help="Celery task threads of the worker (default: the worker's own)")
-    p.add_argument("--web-worker-class", default="gthread", choices=["gthread", "gevent"])
+    p.add_argument("--web-worker-class", default="stream",
+                   choices=["stream", "gthread", "gevent"],
+                   help="stream: `llmq web`'s worker (webapp/stream_worker.py); gthread: a "
+                   "thread per stream")
     p.add_argument("--web-processes", type=int, default=2,
                    help="gunicorn workers (the API scales by processes)")
     p.add_argument("--postgres-url", default=os.environ.get(
@@ -150,7 +157,7 @@ class Services:
         self.port = _free_port()
         self.logs = [open(workdir / "web.log", "wb"), open(workdir / "worker.log", "wb")]
         self.web = subprocess.Popen(
-            [sys.executable, "-m", "gunicorn", "-k", args.web_worker_class,
+            [sys.executable, "-m", "gunicorn", "-k", WORKER_CLASSES[args.web_worker_class],
              "-w", str(args.web_processes), "--threads", str(args.web_threads),
              "--worker-connections", str(args.web_threads * 4),
              "-b", f"127.0.0.1:{self.port}", "webapp.wsgi:app"],

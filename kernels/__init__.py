@@ -58,6 +58,13 @@ def apply_penalties(logits, repetition_keys, repetition_penalties, count_keys,
         logits, repetition_keys, repetition_penalties, count_keys, presence_frequency)
 
 
+def apply_token_bitmask(x: torch.Tensor, bitmask: torch.Tensor,
+                        rows: list[int]) -> torch.Tensor:
+    """x [num_rows, vocab] with the tokens that bitmask [len(rows), ceil(vocab / 32)] int32
+    does not allow in each of `rows` set to -inf, in place."""
+    return dispatch.get("apply_token_bitmask", x.device.type)(x, bitmask, rows)
+
+
 def greedy_sample(x: torch.Tensor) -> torch.Tensor:
     """The argmax [num_rows] of each row of x [num_rows, vocab] (first index on ties)."""
     return dispatch.get("greedy_sample", x.device.type)(x)
@@ -91,6 +98,7 @@ def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, rows: list[in
 __all__ = [
     "apply_penalties",
     "apply_rotary",
+    "apply_token_bitmask",
     "dispatch",
     "filter_min_p",
     "fused_add_rms_norm",

@@ -25,6 +25,7 @@ KERNEL_NAMES = (
     "store_kv",
     "paged_attention",
     "apply_penalties",
+    "apply_token_bitmask",
     "greedy_sample",
     "filter_min_p",
     "sample_by_cdf",

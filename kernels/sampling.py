@@ -66,6 +66,26 @@ def mask_tokens(x: torch.Tensor, rows: list[int], token_ids: list[int]) -> torch
     return x
 
 
+def apply_token_bitmask(
+    x: torch.Tensor,  # [num_rows, vocab] float, written in place
+    bitmask: torch.Tensor,  # [len(rows), ceil(vocab / 32)] int32, on x's device
+    rows: list[int],  # the row of x that each bitmask row constrains
+) -> torch.Tensor:
+    """Set to -inf every token a row's bitmask does not allow (bit j of word w allows
+    token 32 * w + j), in place; returns `x`. Rows not named are left alone."""
+    if not rows:
+        return x
+    vocab_size = x.shape[1]
+    shifts = torch.arange(32, dtype=torch.int32, device=x.device)
+    # NOTE: >> of a negative int32 is arithmetic, but only bit 0 is kept after it.
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)[:, :vocab_size]
+    disallowed = allowed == 0
+    # NOTE: row by row in place: no gather / scatter copies of [len(rows), vocab]
+    for j, row in enumerate(rows):
+        x[row].masked_fill_(disallowed[j], float("-inf"))
+    return x
+
+
 def greedy_sample(x: torch.Tensor) -> torch.Tensor:  # x [num_rows, vocab] -> [num_rows] int64
     """The index of each row's largest value (the first one on ties), as `argmax`."""
     # NOTE: `max(dim).indices` is documented to equal `argmax` (first maximal index, NaN

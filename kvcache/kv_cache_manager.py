@@ -9,7 +9,9 @@ A scheduler step for a sequence, in the order the calls must come:
     block_ids, num_computed = manager.get_computed_blocks(token_ids)  # first time only
     table = manager.allocate_slots(seq_id, token_ids, num_computed, num_new, block_ids)
     if table is None: preempt someone (manager.free(victim)) and retry, or wait
-    ...
+    ... the step's forward pass writes the KV ...
+    manager.commit()  # it succeeded: the blocks it filled become findable
+    (or manager.discard_uncommitted() when it raised: they never do)
     manager.free(seq_id)  # finished or preempted
 
 Not thread-safe: one engine thread owns the manager.
@@ -18,7 +20,7 @@ Not thread-safe: one engine thread owns the manager.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvcache.block_pool import BlockPool, KVCacheBlock
 from kvcache.hashing import BlockHash, ExtraKeys, hash_block
@@ -48,6 +50,9 @@ class _SeqState:
     block_ids: list[int]  # the same table as ids: copied out every step, so kept ready
     block_hashes: list[BlockHash]  # chained hashes of blocks[:len(block_hashes)], all full
     extra_keys: ExtraKeys
+    # (hash, tokens) of the blocks after those, full once this step's forward pass has
+    # written them: registered by commit(), dropped by discard_uncommitted()
+    pending: list[tuple[BlockHash, tuple[int, ...]]] = field(default_factory=list)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -70,6 +75,7 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.stats = KVCacheStats()
         self._seqs: dict[int, _SeqState] = {}
+        self._uncommitted: set[int] = set()  # seq_ids with pending hashes
 
     @property
     def num_blocks(self) -> int:
@@ -140,10 +146,11 @@ class KVCacheManager:
         Returns the whole block table, or None when too few blocks are free, and then
         nothing has changed (preempt someone and retry).
         Full blocks among the first min(len(token_ids), num_computed_tokens +
-        num_new_tokens) tokens are registered in the prefix cache: tokens scheduled in this
-        step are written by this step's forward pass, and a sequence that hits them is
-        scheduled in a later step. A block whose contents are already cached elsewhere is
-        registered too, behind the existing entry (lookups keep returning the older block).
+        num_new_tokens) tokens are hashed here and registered in the prefix cache by the
+        next `commit()`, once the forward pass that writes them succeeded (NOTE: KV of a
+        step that raised is never findable, here or in a tier). A block whose contents are
+        already cached elsewhere is registered too, behind the existing entry (lookups keep
+        returning the older block).
         """
         if num_computed_tokens < 0 or num_new_tokens < 0:
             raise ValueError(
@@ -177,8 +184,8 @@ class KVCacheManager:
                     return None
                 self._append_new_blocks(state, num_to_allocate)
         num_full = min(len(token_ids), num_tokens) // self.block_size
-        if num_full > len(state.block_hashes):
-            self._cache_full_blocks(state, token_ids, num_full)
+        if num_full > len(state.block_hashes) + len(state.pending):
+            self._hash_full_blocks(seq_id, state, token_ids, num_full)
         return state.block_ids.copy()
 
     def _admit(
@@ -252,23 +259,50 @@ class KVCacheManager:
             hashes.append(parent)
         return blocks, hashes
 
-    def _cache_full_blocks(self, state: _SeqState, token_ids: list[int], num_full: int) -> None:
+    def _hash_full_blocks(self, seq_id: int, state: _SeqState, token_ids: list[int],
+                          num_full: int) -> None:
         # Hash only blocks not hashed before: O(new blocks) per call.
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        parent = state.block_hashes[-1] if state.block_hashes else None
-        for index in range(len(state.block_hashes), num_full):
+        if state.pending:
+            parent: BlockHash | None = state.pending[-1][0]
+        else:
+            parent = state.block_hashes[-1] if state.block_hashes else None
+        for index in range(len(state.block_hashes) + len(state.pending), num_full):
             block_tokens = token_ids[index * bs : (index + 1) * bs]
             parent = hash_block(parent, block_tokens, state.extra_keys)
-            self.block_pool.cache_full_block(state.blocks[index], parent, block_tokens)
-            state.block_hashes.append(parent)
+            state.pending.append((parent, tuple(block_tokens)))
+        self._uncommitted.add(seq_id)
+
+    def commit(self) -> None:
+        """The step's forward pass wrote its KV: register the blocks it filled."""
+        for seq_id in self._uncommitted:
+            state = self._seqs.get(seq_id)
+            if state is None:
+                continue  # freed since (preempted, finished): nothing to register
+            for block_hash, block_tokens in state.pending:
+                block = state.blocks[len(state.block_hashes)]
+                self.block_pool.cache_full_block(block, block_hash, block_tokens)
+                state.block_hashes.append(block_hash)
+            state.pending.clear()
+        self._uncommitted.clear()
+
+    def discard_uncommitted(self) -> None:
+        """The step's forward pass raised: what it was to write stays unfindable."""
+        for seq_id in self._uncommitted:
+            state = self._seqs.get(seq_id)
+            if state is not None:
+                state.pending.clear()
+        self._uncommitted.clear()
 
     def free(self, seq_id: int) -> None:
         """Release every block of `seq_id`, tail first, and forget it. Unknown ids: no-op."""
         state = self._seqs.pop(seq_id, None)
         if state is None:
             return
+        # NOTE: its blocks not yet committed go back unregistered
+        self._uncommitted.discard(seq_id)
         self.block_pool.free_blocks(reversed(state.blocks))
 
     def get_block_ids(self, seq_id: int) -> list[int]:

@@ -18,6 +18,7 @@ from llmq.bench.main import cmd_bench
 from llmq.commands import (
     CommandError,
     cmd_beat,
+    cmd_config,
     cmd_db_upgrade,
     cmd_keys_create,
     cmd_keys_list,
@@ -91,8 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     web = command(sub, "web", help="serve the HTTP API (gunicorn)",
                   description="Serve the HTTP API with gunicorn's gthread workers: "
-                  "each open event stream holds one thread, so size --threads for "
-                  "the number of concurrent streams.")
+                  "threads serve requests; open event streams are held by each "
+                  "process's stream server and hold no thread.")
     web.add_argument("--host", default="127.0.0.1",
                      help="address to listen on (0.0.0.0: every interface; turn on "
                      "LLMQ_AUTH_ENABLED before you expose the API)")
@@ -100,8 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     web.add_argument("--workers", type=int, default=2, help="gunicorn worker processes")
     web.add_argument("--threads", type=int, default=64, help="threads per worker process")
     web.add_argument("--graceful-timeout", type=float, default=30.0,
-                     help="seconds open requests (event streams too) get to finish on "
-                     "SIGTERM; clients resume a cut stream with Last-Event-ID")
+                     help="seconds open requests get to finish on SIGTERM (event "
+                     "streams are cut; clients resume them with Last-Event-ID)")
     web.add_argument("--dev", action="store_true",
                      help="werkzeug's development server instead of gunicorn")
     add_state_flags(web)
@@ -113,6 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
     beat.add_argument("--loglevel", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     add_state_flags(beat)
     beat.set_defaults(handler=cmd_beat)
+
+    config = command(sub, "config", help="print the effective settings (secrets masked)",
+                     description="Print every setting as LLMQ_NAME=value, read from the "
+                     "environment and the state flags as every command reads them; "
+                     "passwords in URLs are masked. A bad value is an error naming its "
+                     "variable.")
+    add_state_flags(config)
+    config.set_defaults(handler=cmd_config)
 
     db = command(sub, "db", help="database schema", description="Database schema commands.")
     db_sub = db.add_subparsers(title="db commands", metavar="COMMAND")

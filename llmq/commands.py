@@ -1,4 +1,4 @@
-"""The server-side commands of `llmq`: web, up, beat, db upgrade, keys, make-model.
+"""The server-side commands of `llmq`: web, up, beat, db upgrade, keys, make-model, config.
 
 Each imports what it needs when it runs: `llmq --help` loads none of them.
 """
@@ -31,6 +31,7 @@ def _export_state(args: argparse.Namespace) -> None:
 def cmd_web(args: argparse.Namespace) -> int:
     _export_state(args)
     settings = settings_of(args)
+    _require_schema(args)  # not a 503 per request on an unmigrated database
     if args.dev:
         from werkzeug.serving import run_simple
 
@@ -38,17 +39,26 @@ def cmd_web(args: argparse.Namespace) -> int:
 
         run_simple(args.host, args.port, create_app(settings), threaded=True)
         return 0
-    # NOTE: gthread, not gevent: gevent's monkey patching removes select.epoll, which the
-    # tokenizer loading path (huggingface_hub) needs; threads need no patching at all.
-    command = [sys.executable, "-m", "gunicorn", "webapp.wsgi:app",
-               "--bind", f"{args.host}:{args.port}", "--workers", str(args.workers),
-               "--worker-class", "gthread", "--threads", str(args.threads),
-               "--timeout", "120", "--graceful-timeout", f"{args.graceful_timeout:g}",
-               "--access-logfile", "-"]
+    command = web_command(args.host, args.port, args.workers, args.threads,
+                          args.graceful_timeout)
     logger.info("serving the API on %s:%d (%d processes x %d threads)", args.host, args.port,
                 args.workers, args.threads)
     os.execv(sys.executable, command)  # gunicorn takes over this process and its signals
     return 0  # not reached
+
+
+def web_command(host: str, port: int, workers: int, threads: int,
+                graceful_timeout: float) -> list[str]:
+    """The gunicorn command line `llmq web` runs (also started this way by tests)."""
+    # NOTE: gthread threads serve requests; each process's stream server holds the open
+    # event streams (webapp/stream_worker.py), so an idle stream costs no thread. Not
+    # gevent: its monkey patching removes select.epoll, which the tokenizer loading path
+    # (huggingface_hub) needs.
+    return [sys.executable, "-m", "gunicorn", "webapp.wsgi:app",
+            "--bind", f"{host}:{port}", "--workers", str(workers),
+            "--worker-class", "webapp.stream_worker.StreamWorker", "--threads", str(threads),
+            "--timeout", "120", "--graceful-timeout", f"{graceful_timeout:g}",
+            "--access-logfile", "-"]
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -63,6 +73,7 @@ def cmd_beat(args: argparse.Namespace) -> int:
 
     _export_state(args)
     settings = settings_of(args)
+    _require_schema(args)
     app = create_celery(settings, beat=True)
     register_maintenance_tasks(app, settings)
     app.worker_main([
@@ -71,6 +82,16 @@ def cmd_beat(args: argparse.Namespace) -> int:
         "--without-gossip", "--without-mingle", "--loglevel", args.loglevel.upper(),
         "--schedule", app.conf.beat_schedule_filename,
     ])
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    """Print the effective settings, one `LLMQ_NAME=value` per line (passwords masked)."""
+    settings = settings_of(args)
+    for variable, value in settings.effective().items():
+        if isinstance(value, bool):
+            value = "true" if value else "false"
+        print(f"{variable}={'' if value is None else value}")
     return 0
 
 
@@ -89,16 +110,24 @@ def cmd_db_upgrade(args: argparse.Namespace) -> int:
     return 0
 
 
-def _session_factory(args: argparse.Namespace) -> Any:
-    """Sessions on the command's database, once it is known to be migrated."""
-    from tasks.db import DatabaseNotReady, check_schema, create_db_engine, make_sessionmaker
+def _require_schema(args: argparse.Namespace) -> str:
+    """The command's database URL, once it is known to answer at the newest schema (a
+    one-line CommandError naming `llmq db upgrade` otherwise)."""
+    from tasks.db import DatabaseNotReady, check_schema
 
     url = database_url_of(args)
     try:
         check_schema(url, upgrade_command(args))
     except DatabaseNotReady as exc:
         raise CommandError(str(exc)) from None
-    return make_sessionmaker(create_db_engine(url))
+    return url
+
+
+def _session_factory(args: argparse.Namespace) -> Any:
+    """Sessions on the command's database, once it is known to be migrated."""
+    from tasks.db import create_db_engine, make_sessionmaker
+
+    return make_sessionmaker(create_db_engine(_require_schema(args)))
 
 
 def cmd_keys_create(args: argparse.Namespace) -> int:

@@ -21,9 +21,9 @@ from pathlib import Path
 from llmq.stack import Child, LocalStack, free_port, python_command, wait_until
 from llmq.state import StateLock, StateLockedError, database_url_of, state_dir_of
 
-# NOTE: on Ctrl-C the web child gets this long to finish open requests; an open event
-# stream would otherwise hold the stop for gunicorn's whole graceful timeout. A client
-# whose stream is cut resumes it from its Last-Event-ID once the API is back.
+# NOTE: on Ctrl-C the web child gets this long to finish open requests (a non-streaming
+# OpenAI call still waits in a request thread); open event streams are closed at once and
+# their clients resume from their Last-Event-ID once the API is back.
 WEB_GRACEFUL_TIMEOUT_SECONDS = 2.0
 
 logger = logging.getLogger(__name__)

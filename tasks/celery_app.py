@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 from celery import Celery
+from kombu.transport import redis as kombu_redis
 
 from tasks.protocol import (
     EXPIRE_STREAMS_TASK,
@@ -33,6 +34,39 @@ PUBLISH_RETRY_POLICY = {"max_retries": 2, "interval_start": 0.0, "interval_step"
                         "interval_max": 0.5}
 
 
+class _RestoreGuardQoS(kombu_redis.QoS):
+    """Kombu's Redis QoS, except that giving prefetched messages back cannot crash.
+
+    NOTE (kombu's known failure): when the broker connection drops, the consumer closes
+    the transport and then its channel; the channel's close gives unacked (prefetched)
+    messages back with `restore_unacked`, which opens a new pool from the transport's
+    connection info, already gone: "AttributeError: 'NoneType' object has no attribute
+    'hostname'", an "Unrecoverable error" that ends the worker. Here that failure is
+    logged instead. The messages stay in the broker's unacked index (kombu restores them
+    after `visibility_timeout`), and beat's resend pass gives every queued job without a
+    waiting message a new one well before that (tasks/maintenance.py).
+    """
+
+    def restore_unacked(self, client: object = None) -> object:
+        try:
+            return super().restore_unacked(client)
+        except (AttributeError, *self.channel.connection_errors) as exc:
+            logger.warning("could not give %d prefetched messages back to the broker (%s); "
+                           "beat's resend pass re-sends their jobs", len(self._delivered), exc)
+            self._delivered.clear()
+            return None
+
+
+class _RestoreGuardChannel(kombu_redis.Channel):
+    QoS = _RestoreGuardQoS
+
+
+class RedisTransport(kombu_redis.Transport):
+    """The Redis transport every llmq Celery app uses (see `_RestoreGuardQoS`)."""
+
+    Channel = _RestoreGuardChannel
+
+
 def maintenance_queue(settings: Settings) -> str:
     """The queue beat's own worker consumes (device-group workers never do)."""
     return f"{settings.redis_prefix}.maintenance"
@@ -48,6 +82,7 @@ def create_celery(settings: Settings, *, beat: bool = False) -> Celery:
     app = Celery("llmq", set_as_current=False)
     app.conf.update(
         broker_url=settings.redis_url,
+        broker_transport=RedisTransport,
         broker_transport_options={
             # NOTE: every deployment / test run gets its own broker keyspace.
             "global_keyprefix": settings.redis_prefix + ":celery:",
@@ -56,7 +91,12 @@ def create_celery(settings: Settings, *, beat: bool = False) -> Celery:
             "socket_timeout": 10,
             "health_check_interval": 10,
         },
+        # NOTE: a worker never gives up on the broker: a Redis restart or blip must not end
+        # it (its running jobs go on; admission waits). Kombu retries with a growing
+        # interval (at most 30 s apart).
+        broker_connection_retry=True,
         broker_connection_retry_on_startup=True,
+        broker_connection_max_retries=None,
         broker_connection_timeout=3,
         task_serializer="json",
         result_serializer="json",

@@ -1,5 +1,5 @@
 """Periodic maintenance run by beat's worker: lease reclaim, stranded-job resend, stream
-expiry.
+expiry, and the queue timeout (`LLMQ_QUEUE_TIMEOUT_SECONDS`: a job queued too long fails).
 
 A running job's device group renews `lease_expires_at` every few seconds. A lease that
 passed means the group died (or lost Postgres for longer than the lease): the job goes
@@ -110,6 +110,55 @@ def reclaim_expired_leases(
     return len(requeued) + len(failed)
 
 
+def fail_overdue_queued_jobs(settings: Settings, session_factory: sessionmaker[Session],
+                             redis: Redis) -> list[str]:
+    """Fail jobs queued longer than `settings.queue_timeout_seconds` (None: never); returns
+    their ids.
+
+    One conditional UPDATE per batch (still queued, still older than the cutoff), so a
+    job a worker claims meanwhile is left alone; the rows are committed before their
+    terminal `error` event goes out, as reclaim does. The age is `created_at`: the time
+    the client has waited.
+    """
+    timeout = settings.queue_timeout_seconds
+    if timeout is None:
+        return []
+    now = utcnow()
+    cutoff = now - timedelta(seconds=timeout)
+    error = (f"waited longer than {timeout:g}s in the queue (LLMQ_QUEUE_TIMEOUT_SECONDS) "
+             "without a worker taking it; resubmit, or add workers for the model")
+    with session_factory.begin() as session:
+        candidates = dict(session.execute(
+            select(Job.id, Job.prompt_tokens)
+            .where(Job.status == JobStatus.QUEUED.value, Job.created_at < cutoff)
+            .order_by(Job.created_at)
+            .limit(RECLAIM_BATCH)
+        ).all())
+        if not candidates:
+            return []
+        changed = session.scalars(
+            update(Job)
+            .where(Job.id.in_(list(candidates)), Job.status == JobStatus.QUEUED.value,
+                   Job.created_at < cutoff)
+            .values(status=JobStatus.FAILED.value, finish_reason="error", error=error,
+                    finished_at=now)
+            .returning(Job.id)
+        ).all()
+    failed = [(job_uuid, candidates[job_uuid]) for job_uuid in changed]
+    if not failed:
+        return []
+    events = [(str(job_uuid), JobEvent(EventType.ERROR, finish_reason="error", error=error,
+                                       usage={"prompt_tokens": prompt_tokens or 0,
+                                              "completion_tokens": 0,
+                                              "total_tokens": prompt_tokens or 0,
+                                              "cached_tokens": 0}))
+              for job_uuid, prompt_tokens in failed]
+    EventPublisher(redis, settings).publish(events)
+    for job_uuid, _ in failed:
+        logger.warning("job %s: %s", job_uuid, error)
+    return [str(job_uuid) for job_uuid, _ in failed]
+
+
 def resend_stranded_jobs(
     settings: Settings,
     session_factory: sessionmaker[Session],
@@ -217,7 +266,11 @@ def register_maintenance_tasks(app: Celery, settings: Settings) -> None:
 
     @app.task(name=RECLAIM_TASK, ignore_result=True)
     def reclaim_task() -> int:
-        return reclaim_expired_leases(settings, resources.session_factory, resources.redis, app)
+        # NOTE: the queue timeout rides on reclaim's schedule (every lease_renew_seconds)
+        timed_out = fail_overdue_queued_jobs(settings, resources.session_factory,
+                                             resources.redis)
+        return len(timed_out) + reclaim_expired_leases(
+            settings, resources.session_factory, resources.redis, app)
 
     @app.task(name=RESEND_QUEUED_TASK, ignore_result=True)
     def resend_task() -> int:

@@ -35,6 +35,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from tasks import structured
+from tasks.structured import StructuredOutputs
+
 MAX_TEMPERATURE = 100.0
 MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 2.0
@@ -88,6 +91,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # [-2, 2], OpenAI semantics
     repetition_penalty: float = 1.0  # [0.01, 2], HF/CTRL semantics over prompt and output
     logprobs: int | None = None  # top-n logprobs per sampled token; None disables
+    # a constraint on the output (JSON schema, regex, choice, grammar); None: free text
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -128,6 +133,7 @@ class SamplingParams:
             raise InvalidParamError("stop_token_ids", len(self.stop_token_ids),
                                     f"at most {MAX_STOP_TOKEN_IDS} ids")
         check_token_ids(self.stop_token_ids, "stop_token_ids", None)
+        self.structured_outputs = structured.validate(self.structured_outputs)
 
     def check(self, limits: ModelLimits) -> None:
         """`validate()`, then the checks against the served model: token ids inside the

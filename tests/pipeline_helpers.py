@@ -99,7 +99,8 @@ class WorkerProcess:
     """A real `python -m workers.main` process; its log goes to `log_path`."""
 
     def __init__(self, settings: Settings, group_id: str, log_dir: Path, *,
-                 model: str = "tiny", args: list[str] | None = None) -> None:
+                 model: str = "tiny", args: list[str] | None = None,
+                 extra_env: dict[str, str] | None = None) -> None:
         self.settings = settings
         self.group_id = group_id
         self.model = model
@@ -107,7 +108,8 @@ class WorkerProcess:
         command = [sys.executable, "-m", "workers.main", "--model-name", model,
                    "--group-id", group_id, "--heartbeat-seconds", "0.5", *(args or [])]
         self._log = open(self.log_path, "wb")
-        self.process = subprocess.Popen(command, cwd=REPO, env=worker_env(settings),
+        self.process = subprocess.Popen(command, cwd=REPO,
+                                        env=worker_env(settings, **(extra_env or {})),
                                         stdout=self._log, stderr=subprocess.STDOUT)
 
     def heartbeat(self, redis: Any) -> dict[str, Any] | None:

@@ -260,15 +260,15 @@ def test_drain_requeues_unfinished_jobs(service_settings, session_factory, redis
     aborted = batcher.drain(0.0)
     assert [job.job_id for job in aborted] == [job_id]
     for job in aborted:
-        writer.requeue(job.job_id, job.attempt + 1)
+        writer.requeue(job.job_id, job.attempt)  # a drain gives the attempt back
     late = insert_job(session_factory)
     assert admission.run(late) is GenerateOutcome.REQUEUED  # handed back untouched
     writer.stop()
     job = read_job(session_factory, job_id)
-    assert job.status == JobStatus.QUEUED.value and job.worker is None and job.attempts == 1
+    assert job.status == JobStatus.QUEUED.value and job.worker is None and job.attempts == 0
     assert sorted(sent) == sorted([job_id, late])
     events = [e for _, e in read_stream(redis_client, settings, job_id)]
-    assert events[-1].type is EventType.RESTART and events[-1].attempt == 2
+    assert events[-1].type is EventType.RESTART and events[-1].attempt == 1
     assert read_job(session_factory, late).status == JobStatus.QUEUED.value
     assert not tiny_engine.has_unfinished_requests()
 
@@ -297,3 +297,38 @@ def test_a_result_postgres_rejects_fails_alone(group, session_factory, redis_cli
     # (token events after it are the hand-written result's artefact: the engine went on)
     terminal = [e.type for e in _events(group, redis_client, bad) if e.type.is_terminal]
     assert terminal == [EventType.ERROR]
+
+
+def test_a_request_that_fails_its_step_fails_alone(group, session_factory, redis_client,
+                                                   tiny_engine):
+    """The engine isolates a step that raises: only the job that makes it raise fails,
+    with the reason in its row and its stream; its batch companions succeed with the
+    tokens they produce alone."""
+    from tests.test_step_isolation import POISON, FaultyRunner
+
+    # innocents long enough to be running when the culprit reaches its first decode
+    params = {"max_tokens": 150, "ignore_eos": True, **GREEDY}
+    prompts = [[11 + i, 40, 41, 42, 43, 44 + i] for i in range(3)]
+    runner = FaultyRunner(tiny_engine)
+    try:
+        innocents = [insert_job(session_factory, prompt=None, prompt_token_ids=p,
+                                params=params) for p in prompts]
+        culprit = insert_job(session_factory, prompt=None,
+                             prompt_token_ids=[POISON, 40, 41, 42], params=params)
+        for job_id in [innocents[0], culprit, *innocents[1:]]:
+            assert group.admission.run(job_id) is GenerateOutcome.ADMITTED
+        failed = wait_terminal(session_factory, culprit)
+        done = [wait_terminal(session_factory, job_id) for job_id in innocents]
+    finally:
+        tiny_engine.runner = runner.inner
+    assert failed.status == JobStatus.FAILED.value and failed.finish_reason == "error"
+    assert "device-side assert triggered" in failed.error
+    assert _events(group, redis_client, culprit)[-1].type is EventType.ERROR
+    assert runner.num_failures >= 2  # the batch step, then the culprit alone
+    for job, prompt in zip(done, prompts):
+        assert job.status == JobStatus.SUCCEEDED.value, job.error
+        tiny_engine.add_request("solo", prompt, SamplingParams(**params))
+        solo: list[int] = []
+        while tiny_engine.has_unfinished_requests():
+            solo += [t for d in tiny_engine.step() for t in d.new_token_ids]
+        assert job.output[0]["token_ids"] == solo

@@ -203,3 +203,18 @@ def test_llm_generate(tiny_qwen3_dir: Path) -> None:
     assert outs[0].text == whole.rstrip("\ufffd") and outs[0].text
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM(str(tiny_qwen3_dir), tensor_parallel_size=0)
+
+
+def test_max_model_len_never_exceeds_what_the_kv_cache_holds(tiny_qwen3_dir: Path,
+                                                             caplog) -> None:
+    """A context one sequence cannot fit in the KV cache is clamped (with a warning), so
+    such a request is refused at add_request instead of failing later in a step; an
+    explicit max_model_len beyond the cache is a start-up error naming the fix."""
+    full = make_engine(tiny_qwen3_dir).max_model_len  # the checkpoint's context length
+    engine = make_engine(tiny_qwen3_dir, num_blocks=4)  # 4 blocks x 16 tokens
+    assert engine.max_model_len == 64 < full
+    assert "serving max_model_len 64" in caplog.text
+    with pytest.raises(PromptTooLongError):
+        engine.add_request("long", list(range(10, 60)), SamplingParams(max_tokens=20))
+    with pytest.raises(ValueError, match="lower max_model_len or give the KV cache more"):
+        make_engine(tiny_qwen3_dir, num_blocks=4, max_model_len=128)

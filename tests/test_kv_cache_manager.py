@@ -1,5 +1,6 @@
 """KVCacheManager: prefix hits with exact block ids, all-or-nothing allocation, tail-first
-frees, growth at block boundaries, and a state machine checking the invariants."""
+frees, growth at block boundaries, KV of a failed step never findable, and a state machine
+checking the invariants."""
 
 from collections import Counter
 
@@ -12,6 +13,17 @@ from kvcache.hashing import hash_full_blocks
 from kvcache.kv_cache_manager import KVCacheManager
 
 BS = 4  # block size of these tests
+
+
+class StepManager(KVCacheManager):
+    """Every allocation's step succeeds at once: the blocks it fills are committed, as the
+    scheduler commits after a forward pass that did not raise (the tests at the end of
+    this file cover a step that raised)."""
+
+    def allocate_slots(self, *args, **kwargs):
+        table = super().allocate_slots(*args, **kwargs)
+        self.commit()
+        return table
 
 
 def free_ids(manager: KVCacheManager) -> list[int]:
@@ -27,7 +39,7 @@ def admit(manager: KVCacheManager, seq_id: int, token_ids: list[int]) -> list[in
 
 
 def test_prefix_hit_across_two_sequences_exact_block_ids():
-    manager = KVCacheManager(num_blocks=10, block_size=BS)
+    manager = StepManager(num_blocks=10, block_size=BS)
     prompt_a = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]  # 2 full blocks + 2 tokens
     assert manager.get_computed_blocks(prompt_a) == ([], 0)
     assert manager.allocate_slots(0, prompt_a, 0, 10) == [0, 1, 2]
@@ -48,7 +60,7 @@ def test_prefix_hit_across_two_sequences_exact_block_ids():
 
 
 def test_hit_after_free_reuses_the_freed_blocks():
-    manager = KVCacheManager(num_blocks=6, block_size=BS)
+    manager = StepManager(num_blocks=6, block_size=BS)
     prompt = list(range(100, 109))  # 2 full blocks + 1
     assert admit(manager, 0, prompt) == [0, 1, 2]
     manager.free(0)
@@ -59,7 +71,7 @@ def test_hit_after_free_reuses_the_freed_blocks():
 
 
 def test_full_prompt_hit_keeps_the_last_block_to_compute():
-    manager = KVCacheManager(num_blocks=10, block_size=BS)
+    manager = StepManager(num_blocks=10, block_size=BS)
     prompt = list(range(8))  # exactly 2 full blocks
     assert admit(manager, 0, prompt) == [0, 1]
     # The whole prompt is cached, but the last block is recomputed so there is a forward pass
@@ -80,7 +92,7 @@ def test_full_prompt_hit_keeps_the_last_block_to_compute():
 
 
 def test_allocate_slots_returns_none_and_changes_nothing_when_out_of_blocks():
-    manager = KVCacheManager(num_blocks=5, block_size=BS)
+    manager = StepManager(num_blocks=5, block_size=BS)
     prompt = list(range(8))
     assert admit(manager, 0, prompt) == [0, 1]
     manager.free(0)  # blocks 0 and 1: free but cached
@@ -118,7 +130,7 @@ def test_allocate_slots_returns_none_and_changes_nothing_when_out_of_blocks():
 
 
 def test_free_releases_tail_first_and_unknown_is_a_no_op():
-    manager = KVCacheManager(num_blocks=8, block_size=BS)
+    manager = StepManager(num_blocks=8, block_size=BS)
     assert admit(manager, 0, list(range(12))) == [0, 1, 2]
     assert admit(manager, 1, list(range(20, 30))) == [3, 4, 5]
     manager.free(0)
@@ -133,7 +145,7 @@ def test_free_releases_tail_first_and_unknown_is_a_no_op():
 
 
 def test_growth_during_decode_allocates_exactly_at_block_boundaries():
-    manager = KVCacheManager(num_blocks=6, block_size=BS)
+    manager = StepManager(num_blocks=6, block_size=BS)
     tokens = [1, 2, 3]
     assert admit(manager, 0, tokens) == [0]
     tables = []
@@ -151,7 +163,7 @@ def test_growth_during_decode_allocates_exactly_at_block_boundaries():
 
 
 def test_chunked_prefill_registers_blocks_as_they_are_scheduled():
-    manager = KVCacheManager(num_blocks=8, block_size=BS)
+    manager = StepManager(num_blocks=8, block_size=BS)
     prompt = list(range(40, 54))  # 14 tokens
     assert manager.allocate_slots(0, prompt, 0, 6) == [0, 1]
     assert manager.get_block_hashes(0) == hash_full_blocks(prompt, BS)[:1]
@@ -164,7 +176,7 @@ def test_chunked_prefill_registers_blocks_as_they_are_scheduled():
 def test_tokens_loaded_from_a_lower_tier_get_fresh_blocks_that_are_cached():
     # Device hit on block 0; blocks 1 and 2 come from a lower tier (loaded into fresh blocks
     # before the forward pass); the rest is computed.
-    manager = KVCacheManager(num_blocks=8, block_size=BS)
+    manager = StepManager(num_blocks=8, block_size=BS)
     prompt = list(range(60, 74))  # 14 tokens
     assert manager.allocate_slots(0, prompt[:4], 0, 4) == [0]
     hit_ids, num_hit = manager.get_computed_blocks(prompt)
@@ -176,7 +188,7 @@ def test_tokens_loaded_from_a_lower_tier_get_fresh_blocks_that_are_cached():
 
 
 def test_unshared_full_blocks_are_what_a_finished_sequence_leaves_evictable():
-    manager = KVCacheManager(num_blocks=8, block_size=BS)
+    manager = StepManager(num_blocks=8, block_size=BS)
     prompt = list(range(10))
     assert admit(manager, 0, prompt) == [0, 1, 2]
     assert admit(manager, 1, prompt[:8] + [99, 98]) == [0, 1, 3]
@@ -190,7 +202,7 @@ def test_unshared_full_blocks_are_what_a_finished_sequence_leaves_evictable():
 
 
 def test_stale_computed_blocks_are_an_error_not_a_wrong_hit():
-    manager = KVCacheManager(num_blocks=3, block_size=BS)
+    manager = StepManager(num_blocks=3, block_size=BS)
     prompt = list(range(9))
     admit(manager, 0, prompt)
     manager.free(0)
@@ -204,7 +216,7 @@ def test_stale_computed_blocks_are_an_error_not_a_wrong_hit():
 
 
 def test_can_fit_counts_cached_free_blocks_as_evictable():
-    manager = KVCacheManager(num_blocks=4, block_size=BS)
+    manager = StepManager(num_blocks=4, block_size=BS)
     admit(manager, 0, list(range(8)))
     assert manager.can_fit(8) and not manager.can_fit(9)
     manager.free(0)
@@ -212,7 +224,7 @@ def test_can_fit_counts_cached_free_blocks_as_evictable():
 
 
 def test_prefix_caching_disabled():
-    manager = KVCacheManager(num_blocks=6, block_size=BS, enable_prefix_caching=False)
+    manager = StepManager(num_blocks=6, block_size=BS, enable_prefix_caching=False)
     prompt = list(range(9))
     assert admit(manager, 0, prompt) == [0, 1, 2]
     assert admit(manager, 1, prompt) == [3, 4, 5]
@@ -221,7 +233,7 @@ def test_prefix_caching_disabled():
 
 
 def test_reset_prefix_cache():
-    manager = KVCacheManager(num_blocks=4, block_size=BS)
+    manager = StepManager(num_blocks=4, block_size=BS)
     prompt = list(range(9))
     admit(manager, 0, prompt)
     assert manager.reset_prefix_cache() is False
@@ -242,7 +254,7 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.manager = KVCacheManager(num_blocks=12, block_size=BS)
+        self.manager = StepManager(num_blocks=12, block_size=BS)
         self.tokens: dict[int, list[int]] = {}  # live sequences' tokens, all computed
         self.next_seq_id = 0
 
@@ -357,3 +369,46 @@ class KVCacheMachine(RuleBasedStateMachine):
 
 KVCacheMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
 TestKVCacheMachine = KVCacheMachine.TestCase
+
+
+# --- a step that raised -----------------------------------------------------------------
+
+
+def test_blocks_become_findable_only_when_their_step_commits():
+    manager = KVCacheManager(num_blocks=8, block_size=BS)
+    prompt = list(range(1, 10))  # 2 full blocks + 1 token
+    assert manager.allocate_slots(0, prompt, 0, 9) == [0, 1, 2]
+    assert manager.get_computed_blocks(prompt + [0]) == ([], 0)  # the step has not run
+    assert manager.get_block_hashes(0) == []
+    manager.commit()
+    assert manager.get_computed_blocks(prompt + [0]) == ([0, 1], 8)
+    assert manager.get_block_hashes(0) == hash_full_blocks(prompt, BS)
+
+
+def test_a_failed_step_leaves_nothing_findable_and_the_retry_registers_it():
+    manager = KVCacheManager(num_blocks=8, block_size=BS)
+    prompt = list(range(1, 10))
+    manager.allocate_slots(0, prompt[:4], 0, 4)
+    manager.commit()  # block 0 was written by a step that succeeded
+    manager.allocate_slots(0, prompt, 4, 5)  # fills block 1 ...
+    manager.discard_uncommitted()  # ... but that step raised
+    assert manager.get_computed_blocks(prompt + [0]) == ([0], 4)
+    assert manager.get_unshared_full_blocks(0) == [(0, hash_full_blocks(prompt, BS)[0])]
+    # the sequence is preempted (freed): its unwritten block goes back without a hash
+    manager.free(0)
+    assert all(manager.block_pool.blocks[i].block_hash is None for i in (1, 2))
+    # recomputed by a step that succeeds, it registers as usual
+    hit_ids, num_computed = manager.get_computed_blocks(prompt)
+    assert (hit_ids, num_computed) == ([0], 4)
+    table = manager.allocate_slots(1, prompt, num_computed, 5, hit_ids)
+    manager.commit()
+    assert manager.get_computed_blocks(prompt + [0]) == (table[:2], 8)
+
+
+def test_a_sequence_freed_before_its_step_commits_registers_nothing():
+    manager = KVCacheManager(num_blocks=8, block_size=BS)
+    prompt = list(range(1, 9))
+    manager.allocate_slots(0, prompt, 0, 8)
+    manager.free(0)
+    manager.commit()
+    assert manager.get_computed_blocks(prompt + [0]) == ([], 0)

@@ -295,6 +295,7 @@ def test_scheduler_loads_tier_blocks_into_fresh_blocks_and_asks_once(tmp_path: P
     first.add_seqs([seq])
     out = schedule(first)
     assert out.blocks_to_load == [] and calls == [4]
+    first.kv_manager.commit()  # the step that computed it succeeded: its KV is written
     first.finish_seqs([seq], SequenceStatus.FINISHED_LENGTH)
     assert tiering.flush(10) and offload.stats().num_stored_blocks == 4
     stored = list(blocks.read)
@@ -374,6 +375,7 @@ def test_a_slow_redis_lookup_never_blocks_the_step(redis_tier) -> None:
         first.add_seqs([seq])
         while seq.status != SequenceStatus.RUNNING:
             first.schedule()
+        first.kv_manager.commit()  # the step that computed it succeeded: its KV is written
         first.finish_seqs([seq], SequenceStatus.FINISHED_LENGTH)
         assert connector.flush(10) and connector.offload.stats().num_stored_blocks == 4
 

@@ -4,7 +4,7 @@ Layers, lowest first (docs/architecture.md names them the same way):
 
     kernels, kvcache            tensor functions; KV block bookkeeping and tiers
     tasks                       the contract (settings, params, schema, protocol, models, streams)
-    workers.engine              the engine (its one import from the contract: tasks.params)
+    workers.engine              the engine (from the contract: tasks.params, tasks.structured)
     workers                     the device-group service
     webapp                      the Flask app (over the contract only)
     llmq                        the CLI and `llmq up`: may import every layer
@@ -33,7 +33,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "tasks": ("tasks",),
     "migrations": ("tasks", "migrations"),
     "webapp": ("tasks", "webapp"),
-    "workers.engine": ("workers.engine", "kernels", "kvcache", "tasks.params"),
+    "workers.engine": ("workers.engine", "kernels", "kvcache", "tasks.params",
+                       "tasks.structured"),
     "workers": ("workers", "tasks", "kvcache"),
     "llmq": PACKAGES,
 }

@@ -125,6 +125,12 @@ def test_keys_on_an_unmigrated_database_is_one_line_not_a_traceback(tmp_path):
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert "not migrated" in result.stderr
     assert "llmq db upgrade --database-url sqlite:///empty.db" in result.stderr
+    # the servers refuse to start on it too, rather than answer 503 to every request
+    for command in (["web", "--port", "9"], ["beat"]):
+        started = _llmq(*command, "--database-url", "sqlite:///empty.db", cwd=tmp_path,
+                        env=env)
+        assert started.returncode == 1 and "Traceback" not in started.stderr, command
+        assert "not migrated" in started.stderr, (command, started.stderr)
 
     upgraded = _llmq("db", "upgrade", "--state-dir", "elsewhere", cwd=tmp_path, env=env)
     assert upgraded.returncode == 0, upgraded.stderr

@@ -21,7 +21,7 @@ from tasks.celery_app import create_celery, send_generate
 from tasks.models import Job, JobStatus
 from tasks.params import MAX_STOP_TOKEN_IDS, SamplingParams, text_problem
 from tests.pipeline_helpers import insert_job, read_job, running_worker, wait_for, wait_terminal
-from tests.test_request_limits import ENDPOINTS, POISON_BODIES, POISON_PARAMS, VOCAB
+from tests.test_request_limits import ENDPOINTS, POISON_PARAMS, VOCAB, poison_requests
 
 pytestmark = pytest.mark.integration
 
@@ -99,18 +99,12 @@ def test_poisons_are_refused_while_innocents_run_and_innocents_keep_their_text(
                          for j in innocents), 60, "an innocent job to run")
     before = _count_jobs(session_factory)
     num_refused = 0
-    for path, base in ENDPOINTS.items():
-        for fields, param in POISON_PARAMS + POISON_BODIES:
-            if path == "/v1/chat/completions" and "prompt" in fields:
-                continue
-            if path != "/v1/chat/completions" and "messages" in fields:
-                continue
-            if path == "/v1/chat/completions" and "logprobs" in fields:
-                fields = {"logprobs": True, "top_logprobs": fields["logprobs"]}
-            response = requests.post(f"{base_url}{path}", json={**base, **fields}, timeout=30)
-            assert response.status_code == 400, (path, fields, response.text)
-            assert response.json()["error"]["type"] == "invalid_request_error"
-            num_refused += 1
+    for path, fields, _param in poison_requests():
+        response = requests.post(f"{base_url}{path}", json={**ENDPOINTS[path], **fields},
+                                 timeout=30)
+        assert response.status_code == 400, (path, fields, response.text)
+        assert response.json()["error"]["type"] == "invalid_request_error"
+        num_refused += 1
     assert num_refused > 60
     assert _count_jobs(session_factory) == before  # nothing stored
 

@@ -279,9 +279,9 @@ def _post(api: str, path: str, body: Any) -> requests.Response:
                          headers={"Content-Type": "application/json"}, timeout=30)
 
 
-def test_every_poison_is_a_400_naming_the_field_on_all_three_endpoints(api, session_factory):
-    before = _count_jobs(session_factory)
-    for path, base in ENDPOINTS.items():
+def poison_requests():
+    """(path, fields, param) of every poison that applies to each create endpoint."""
+    for path in ENDPOINTS:
         for fields, param in POISON_PARAMS + POISON_BODIES:
             if path == "/v1/chat/completions" and "prompt" in fields:
                 continue
@@ -289,21 +289,27 @@ def test_every_poison_is_a_400_naming_the_field_on_all_three_endpoints(api, sess
                 continue
             if path == "/v1/chat/completions" and "logprobs" in fields:
                 fields = {"logprobs": True, "top_logprobs": fields["logprobs"]}
-            body = {**base, **fields}
-            if path == "/v1/completions" and isinstance(body.get("prompt"), list):
-                body["prompt"] = [body["prompt"]]  # OpenAI's one-prompt batch form
-            response = _post(api, path, body)
-            assert response.status_code == 400, (path, fields, response.text)
-            error = response.json()["error"]
-            assert error["type"] == "invalid_request_error", (path, fields, error)
-            expected = {param}
-            if path == "/v1/chat/completions":
-                if param == "logprobs":
-                    expected = {"top_logprobs"}
-                if param == "min_tokens":  # chat without max_tokens: the budget is the rest
-                    expected.add("max_tokens")
-            assert error["param"] in expected, (path, fields, error)
-            assert error["message"] and error["code"]
+            yield path, fields, param
+
+
+def test_every_poison_is_a_400_naming_the_field_on_all_three_endpoints(api, session_factory):
+    before = _count_jobs(session_factory)
+    for path, fields, param in poison_requests():
+        body = {**ENDPOINTS[path], **fields}
+        if path == "/v1/completions" and isinstance(body.get("prompt"), list):
+            body["prompt"] = [body["prompt"]]  # OpenAI's one-prompt batch form
+        response = _post(api, path, body)
+        assert response.status_code == 400, (path, fields, response.text)
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error", (path, fields, error)
+        expected = {param}
+        if path == "/v1/chat/completions":
+            if param == "logprobs":
+                expected = {"top_logprobs"}
+            if param == "min_tokens":  # chat without max_tokens: the budget is the rest
+                expected.add("max_tokens")
+        assert error["param"] in expected, (path, fields, error)
+        assert error["message"] and error["code"]
     assert _count_jobs(session_factory) == before
 
 

@@ -1,5 +1,6 @@
-"""Event streams served by gunicorn's threaded workers, where the live-event hub writes
-token events straight to the client sockets: HTTP/1.1 (chunked) and HTTP/1.0, replay,
+"""Event streams served by gunicorn: `llmq web`'s worker (the stream server holds them)
+and stock gthread; either way the live-event hub writes token events straight to the
+client sockets: HTTP/1.1 (chunked) and HTTP/1.0, replay,
 reconnect, a client that leaves early. Real gunicorn, worker process, Postgres, Redis."""
 
 from __future__ import annotations
@@ -29,13 +30,15 @@ pytestmark = pytest.mark.integration
 LONG = {"max_tokens": 300, "ignore_eos": True, "temperature": 0.0}
 
 
-@pytest.fixture(scope="module")
-def gunicorn_url(service_settings, tmp_path_factory):
+# `llmq web`'s worker (streams held by the stream server) and stock gthread (a thread per
+# stream, the hub writing through webapp/sse_sink.py)
+@pytest.fixture(scope="module", params=["webapp.stream_worker.StreamWorker", "gthread"])
+def gunicorn_url(request, service_settings, tmp_path_factory):
     port = free_port()
     log = open(tmp_path_factory.mktemp("gunicorn") / "web.log", "wb")
     env = worker_env(service_settings, LLMQ_SSE_HEARTBEAT_SECONDS="1")
     process = subprocess.Popen(
-        [sys.executable, "-m", "gunicorn", "-k", "gthread", "-w", "1", "--threads", "16",
+        [sys.executable, "-m", "gunicorn", "-k", request.param, "-w", "1", "--threads", "16",
          "-b", f"127.0.0.1:{port}", "webapp.wsgi:app"],
         cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -133,3 +136,40 @@ def test_reconnect_mid_stream_and_a_client_that_leaves(gunicorn_url, group, sess
     other = submit(gunicorn_url, prompt="after", max_tokens=8, temperature=0.0)
     assert list(iter_sse(gunicorn_url, other["id"]))[-1].event == "done"
     wait_terminal(session_factory, job["id"])
+
+
+def _openai_chunks(url: str, **body) -> tuple[str, list[dict], requests.Response]:
+    response = requests.post(url + "/v1/completions", json={"model": "tiny", "stream": True,
+                                                            **body}, stream=True, timeout=60)
+    assert response.status_code == 200, response.text
+    chunks = []
+    for line in response.iter_lines(decode_unicode=True):
+        if line == "data: [DONE]":
+            break
+        if line.startswith("data: "):
+            chunks.append(json.loads(line[6:]))
+    return response.headers["X-Llmq-Job-Id"], chunks, response
+
+
+def test_openai_stream_equals_stored_output(gunicorn_url, group, session_factory):
+    job_id, chunks, _ = _openai_chunks(gunicorn_url, prompt="stream it", max_tokens=40,
+                                       temperature=0.0, ignore_eos=True)
+    row = read_job(session_factory, job_id)
+    assert row.status == "succeeded"
+    assert "".join(c["choices"][0]["text"] for c in chunks) == row.output_text
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_openai_stream_closed_by_the_client_cancels_its_job(gunicorn_url, group,
+                                                           session_factory):
+    response = requests.post(gunicorn_url + "/v1/completions", stream=True, timeout=60,
+                             json={"model": "tiny", "prompt": "leave early", "stream": True,
+                                   "max_tokens": 2000, "ignore_eos": True})
+    job_id = response.headers["X-Llmq-Job-Id"]
+    lines = response.iter_lines()
+    while not next(lines).startswith(b"data: {"):
+        pass
+    response.close()  # the client goes away mid-stream
+    row = wait_terminal(session_factory, job_id, timeout=30)
+    assert row.status == "cancelled"
+    assert row.completion_tokens is None or row.completion_tokens < 2000

@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from tasks.protocol import EventType, JobEvent, events_key
-from tasks.streams.publish import EventPublisher
+from tasks.streams.publish import EventPublisher, SenderBroken
 from tasks.streams.reader import EventSubscriber, current_output, parse_stream_id
 
 
@@ -119,7 +119,8 @@ def test_pipelined_sender_sends_now_and_reads_replies_later(redis_client, servic
     assert [i for i, _ in EventSubscriber(redis_client, service_settings).read_events(job_id)] \
         == ids
 
-    # a dead connection fails the replies it owed; the next send opens a new one
+    # a dead connection fails the replies it owed; sends are refused until the owner
+    # resets the sender (it re-sends what failed first), then a new connection opens
     pending = sender.send([(job_id, _tokens(1, 3)[0])])
     sender.receive(pending)
     sock = pending._sock
@@ -128,8 +129,35 @@ def test_pipelined_sender_sends_now_and_reads_replies_later(redis_client, servic
     redis_client.client_kill_filter(_id=client["id"])
     with pytest.raises((redis.ConnectionError, OSError)):  # on send or on its reply
         sender.receive(sender.send([(job_id, _tokens(1, 4)[0])]))
+    with pytest.raises(SenderBroken):
+        sender.send([(job_id, _tokens(1, 5)[0])])
+    sender.reset()
     after = sender.receive(sender.send([(job_id, _tokens(1, 5)[0])]))
     stored = [e.token_ids for _, e in
               EventSubscriber(redis_client, service_settings).read_events(job_id)]
     assert stored[-1] == [5] and after
     sender.close()
+
+
+def test_the_fence_drops_duplicates_stale_attempts_and_events_after_the_end(
+        redis_client, service_settings, job_id):
+    """Per job: a re-sent event is stored once, an older attempt's events stop once a
+    restart announced a newer one, and nothing follows the terminal event."""
+    from tasks.streams.publish import EventFence
+
+    publisher = EventPublisher(redis_client, service_settings)
+    first = _tokens(2)
+    publisher.publish([(job_id, e) for e in first], [EventFence(1, 1), EventFence(1, 2)])
+    resent = publisher.publish([(job_id, first[1])], [EventFence(1, 2)])  # a retried send
+    assert resent == [None]
+    publisher.publish([(job_id, JobEvent(EventType.RESTART, attempt=2))])
+    stale = publisher.publish([(job_id, _tokens(1, 2)[0])], [EventFence(1, 3)])
+    assert stale == [None]
+    publisher.publish([(job_id, _tokens(1, 7)[0]), (job_id, _done())],
+                      [EventFence(2, 1), EventFence(2, 0)])
+    late = publisher.publish([(job_id, _tokens(1, 8)[0])], [EventFence(2, 2)])
+    assert late == [None]
+    types = [e.type for _, e in EventSubscriber(redis_client, service_settings)
+             .read_events(job_id)]
+    assert types == [EventType.TOKEN, EventType.TOKEN, EventType.RESTART, EventType.TOKEN,
+                     EventType.DONE]

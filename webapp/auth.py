@@ -39,3 +39,11 @@ def current_api_key_id() -> uuid.UUID | None:
             key_id = row.id
     g.api_key_id = key_id
     return key_id
+
+
+def require_key_for_metadata() -> None:
+    """/v1/models and /metrics: a key is needed when auth is on, unless the deployment
+    opened them (`LLMQ_METADATA_REQUIRES_KEY=false`); raises a 401 APIError."""
+    settings = services().settings
+    if settings.auth_enabled and settings.metadata_requires_key:
+        current_api_key_id()

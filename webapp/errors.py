@@ -31,8 +31,9 @@ class APIError(Exception):
     """An error answered to the client as JSON with `status`."""
 
     def __init__(self, status: int, code: str, message: str, param: str | None = None,
-                 type: str | None = None) -> None:
+                 type: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
+        self.headers = headers or {}
         self.status = status
         self.code = code
         self.message = message
@@ -48,6 +49,7 @@ class APIError(Exception):
         response.status_code = self.status
         if self.status == 401:
             response.headers["WWW-Authenticate"] = 'Bearer realm="llmq"'
+        response.headers.update(self.headers)
         return response
 
 
@@ -91,7 +93,8 @@ def failed_job_error(job_id: str, error: str | None) -> APIError:
 
 
 _HTTP_CODES = {400: "bad_request", 404: "not_found", 405: "method_not_allowed",
-               413: "request_too_large", 415: "unsupported_media_type"}
+               413: "request_too_large", 415: "unsupported_media_type",
+               422: "unprocessable_entity"}
 
 
 def register_error_handlers(app: Flask) -> None:

@@ -15,16 +15,17 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from flask import Blueprint, Response, request, stream_with_context
+from flask import Blueprint, Response, request
 
 from tasks.models import Job, JobStatus
 from tasks.protocol import EventType, JobEvent
-from tasks.streams.reader import EventSubscriber, StreamEntry, parse_stream_id
+from tasks.streams.live_hub import Sink
+from tasks.streams.reader import EventSubscriber, Park, StreamEntry, parse_stream_id
 from webapp.errors import APIError
 from webapp.jobs import load_job
 from webapp.serialize import is_terminal
 from webapp.services import services
-from webapp.sse_sink import SocketSink
+from webapp.streaming import event_stream_response
 
 logger = logging.getLogger(__name__)
 
@@ -50,18 +51,16 @@ def job_events(job_id: str) -> Response:
                            "event id of this stream (expected <ms>-<seq>)",
                            "Last-Event-ID") from None
     svc.redis.ping()  # Redis down -> 503 now, not a broken stream later
-    sink = SocketSink.for_request(request.environ)
-    stream = _sse(job_id, job, last_id or None, svc.subscriber, svc.session_factory,
-                  svc.settings.sse_heartbeat_seconds, sink)
-    response = Response(stream_with_context(stream), mimetype="text/event-stream")
-    response.headers["Cache-Control"] = "no-cache"
-    response.headers["X-Accel-Buffering"] = "no"  # nginx: do not buffer the stream
-    return response
+    heartbeat_seconds = svc.settings.sse_heartbeat_seconds
+    return event_stream_response(
+        lambda sink, cooperative: _sse(job_id, job, last_id or None, svc.subscriber,
+                                       svc.session_factory, heartbeat_seconds, sink,
+                                       cooperative))
 
 
 def _sse(job_id: str, job: Job, last_id: str | None, subscriber: EventSubscriber,
-         session_factory: Any, heartbeat_seconds: float,
-         sink: SocketSink | None) -> Iterator[str]:
+         session_factory: Any, heartbeat_seconds: float, sink: Sink | None,
+         cooperative: bool) -> Iterator[str | Park]:
     yield f"retry: {RETRY_MILLISECONDS}\n\n"
     if is_terminal(job):
         # Finished: the stored log is complete (or gone); no need to listen.
@@ -74,9 +73,13 @@ def _sse(job_id: str, job: Job, last_id: str | None, subscriber: EventSubscriber
         return
     terminal_seen_at: float | None = None
     # NOTE: with a sink, the hub thread writes live events to the client itself while
-    # this generator sleeps; everything before and after goes through the server.
+    # this generator sleeps (or is parked); everything before and after goes through the
+    # server.
     for item in subscriber.iter_entries(job_id, last_id, heartbeat_seconds=heartbeat_seconds,
-                                        sink=sink):
+                                        sink=sink, cooperative=cooperative):
+        if isinstance(item, Park):
+            yield item
+            continue
         if item is not None:
             yield format_entry(item)
             continue

@@ -9,17 +9,20 @@ from typing import Any
 import redis
 import sqlalchemy.exc
 from flask import Blueprint, Response, jsonify, request
-from sqlalchemy import delete, or_, select, update
+from pydantic import ValidationError
+from sqlalchemy import delete, func, or_, select, update
 
+from tasks.api.jobs import JOB_STATUSES, JobListQuery
 from tasks.celery_app import send_generate
 from tasks.db import update_count, utcnow
 from tasks.metrics import record_queued_cancel
 from tasks.models import Job, JobStatus
 from tasks.protocol import EventType, JobEvent, cancel_channel, cancel_flag_key
-from tasks.schema import JobRequest, SchemaError, parse_job_request
+from tasks.schema import JobRequest, SchemaError, parse_job_request, pin_seed
 from tasks.streams.reader import current_output
 from webapp.auth import current_api_key_id
 from webapp.errors import APIError, redis_unavailable
+from webapp.groups import context_len
 from webapp.model_registry import ModelLoadError, ServedModel, UnknownModelError
 from webapp.serialize import is_terminal, job_links, job_to_dict
 from webapp.services import Services, services
@@ -29,8 +32,7 @@ logger = logging.getLogger(__name__)
 bp = Blueprint("jobs", __name__, url_prefix="/v1/jobs")
 
 MAX_IDEMPOTENCY_KEY_CHARS = 200
-DEFAULT_PAGE_SIZE = 20
-MAX_PAGE_SIZE = 100
+QUEUE_FULL_RETRY_AFTER_SECONDS = 5  # Retry-After of a 429 for a full model queue
 # arrays and objects inside one another; a request body needs 4 (messages[i].content[j])
 MAX_JSON_DEPTH = 32
 
@@ -106,24 +108,31 @@ def get_job(job_id: str) -> Response:
 
 @bp.get("")
 def list_jobs() -> Response:
-    """The caller's jobs, newest first: `?status=`, `?limit=`, `?after=<job id>`."""
+    """The caller's jobs, newest first (`tasks.api.jobs.JobListQuery`): `?limit=`,
+    `?after=<job id>`, `?status=a,b`, `?model=`, `?created_after=`, `?created_before=`."""
     svc = services()
     api_key_id = current_api_key_id()
-    args = request.args
-    limit = _page_size(args.get("limit"))
-    statement = select(Job).order_by(Job.created_at.desc(), Job.id.desc()).limit(limit + 1)
+    query = parse_query(JobListQuery)
+    statement = select(Job).order_by(Job.created_at.desc(), Job.id.desc()).limit(
+        query.limit + 1)
     if svc.settings.auth_enabled:
         statement = statement.where(Job.api_key_id == api_key_id)
-    if args.get("status"):
-        statuses = [s.strip() for s in args["status"].split(",") if s.strip()]
-        bad = [s for s in statuses if s not in {m.value for m in JobStatus}]
+    if query.status:
+        statuses = [s.strip() for s in query.status.split(",") if s.strip()]
+        bad = [s for s in statuses if s not in JOB_STATUSES]
         if bad:
             raise APIError(400, "invalid_value", f"unknown status {bad[0]!r}; use one of "
-                           f"{', '.join(m.value for m in JobStatus)}", "status")
+                           f"{', '.join(JOB_STATUSES)}", "status")
         statement = statement.where(Job.status.in_(statuses))
+    if query.model:
+        statement = statement.where(Job.model == query.model)
+    if query.created_after is not None:
+        statement = statement.where(Job.created_at >= query.created_after)
+    if query.created_before is not None:
+        statement = statement.where(Job.created_at < query.created_before)
     with svc.session_factory() as session:
-        if args.get("after"):
-            cursor = _visible_job(session, args["after"], api_key_id)
+        if query.after:
+            cursor = _visible_job(session, query.after, api_key_id)
             if cursor is None:
                 raise APIError(400, "invalid_cursor", "after must be the id of a job from a "
                                "previous page of this listing", "after")
@@ -132,14 +141,25 @@ def list_jobs() -> Response:
                 (Job.created_at == cursor.created_at) & (Job.id < cursor.id),
             ))
         jobs = list(session.scalars(statement))
-    has_more = len(jobs) > limit
-    jobs = jobs[:limit]
+    has_more = len(jobs) > query.limit
+    jobs = jobs[:query.limit]
     return jsonify({
         "object": "list",
         "data": [job_to_dict(job) for job in jobs],
         "has_more": has_more,
         "last_id": str(jobs[-1].id) if jobs else None,
     })
+
+
+def parse_query(model: type[Any]) -> Any:
+    """The request's query string as `model` (extra parameters forbidden): a 400 naming
+    the parameter otherwise."""
+    try:
+        return model.model_validate(request.args.to_dict())
+    except ValidationError as exc:
+        error = SchemaError.from_validation(exc, model)
+        raise APIError(400, "invalid_value", error.message.replace("field", "query parameter",
+                                                                   1), error.param) from None
 
 
 @bp.post("/<job_id>/cancel")
@@ -205,15 +225,22 @@ def submit_job(job_request: JobRequest, prompt_text: str | None, prompt_token_id
     """Store a validated, tokenized job (queued) and send `generate` for it.
 
     Returns `(job, created)`: `created` is False when `idempotency_key` names an existing
-    job of the same key, which is returned instead. Shared by `/v1/jobs` and the OpenAI
-    endpoints, so every request is the same kind of job. Raises APIError (503) when the
-    broker is unreachable; the row is removed again then.
+    job of the same key and the same request, which is returned instead (a different
+    request under a used key is a 422). Shared by `/v1/jobs` and the OpenAI endpoints, so
+    every request is the same kind of job. A job without a seed gets one pinned here
+    (`tasks.schema.pin_seed`). Raises APIError: 429 when the model's queue holds
+    `settings.max_queued_jobs`, 503 when the broker is unreachable (the row is removed
+    again then).
     """
     svc = services()
     if idempotency_key is not None:
         existing = _find_idempotent(api_key_id, idempotency_key)
         if existing is not None:
-            return existing, False
+            return _same_request(existing, job_request, prompt_token_ids,
+                                 idempotency_key), False
+    _check_queue_room(svc, job_request.model)
+    seeded = job_request.params.seed is not None
+    pin_seed(job_request.params)
     job = Job(
         api_key_id=api_key_id, model=job_request.model, kind=job_request.kind.value,
         prompt=prompt_text, messages=job_request.messages, prompt_token_ids=prompt_token_ids,
@@ -229,7 +256,9 @@ def submit_job(job_request: JobRequest, prompt_text: str | None, prompt_token_id
         existing = _find_idempotent(api_key_id, idempotency_key) if idempotency_key else None
         if existing is None:
             raise
-        return existing, False
+        if not seeded:
+            job_request.params.seed = None
+        return _same_request(existing, job_request, prompt_token_ids, idempotency_key), False
     job_id = str(job.id)
     try:
         send_generate(svc.celery, svc.settings, job_id, job.model)
@@ -243,6 +272,49 @@ def submit_job(job_request: JobRequest, prompt_text: str | None, prompt_token_id
     logger.info("job %s queued: model %s, %d prompt tokens, max_tokens %d", job_id, job.model,
                 len(prompt_token_ids), job_request.params.max_tokens)
     return job, True
+
+
+def _check_queue_room(svc: Services, model: str) -> None:
+    """A 429 when `model` has `max_queued_jobs` queued jobs (0: no limit).
+
+    NOTE: counts at most limit + 1 rows (a LIMIT in a subquery) through the status index,
+    so a full queue costs the same as a short one. Concurrent submissions may pass the
+    check together: the bound is soft by at most the web's concurrency.
+    """
+    limit = svc.settings.max_queued_jobs
+    if limit <= 0:
+        return
+    queued = (select(Job.id).where(Job.status == JobStatus.QUEUED.value, Job.model == model)
+              .limit(limit + 1).subquery())
+    with svc.session_factory() as session:
+        count = session.scalar(select(func.count()).select_from(queued)) or 0
+    if count >= limit:
+        raise APIError(429, "queue_full", f"model {model!r} has {limit} jobs queued, the "
+                       "limit (LLMQ_MAX_QUEUED_JOBS); retry later",
+                       headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER_SECONDS)})
+
+
+def _same_request(existing: Job, job_request: JobRequest, prompt_token_ids: list[int],
+                  key: str) -> Job:
+    """`existing` when it was made from the same request; a 422 naming the conflict when
+    the Idempotency-Key is reused for a different one (as Stripe answers)."""
+    params = job_request.params_dict()
+    stored = dict(existing.params or {})
+    if params.get("seed") is None:
+        stored["seed"] = None  # the pinned seed is ours, not part of the request
+    mine = {"model": job_request.model, "kind": job_request.kind.value,
+            "prompt_token_ids": prompt_token_ids, "messages": job_request.messages,
+            "priority": job_request.priority, "params": params}
+    theirs = {"model": existing.model, "kind": existing.kind,
+              "prompt_token_ids": existing.prompt_token_ids, "messages": existing.messages,
+              "priority": existing.priority, "params": stored}
+    differing = [name for name in mine if mine[name] != theirs[name]]
+    if differing:
+        raise APIError(422, "idempotency_key_reused",
+                       f"Idempotency-Key {key!r} was used for job {existing.id} with a "
+                       f"different request ({', '.join(differing)} differ); use a new key "
+                       "for a new request", "Idempotency-Key")
+    return existing
 
 
 def load_job(job_id: str) -> Job:
@@ -293,12 +365,13 @@ def tokenize(model: ServedModel, job_request: JobRequest) -> tuple[str | None, l
         text = job_request.prompt
         token_ids = model.encode(text or "")
     max_tokens = job_request.params.max_tokens
-    if len(token_ids) + max_tokens > model.max_model_len:
+    limit = context_len(model)
+    if len(token_ids) + max_tokens > limit:
         raise APIError(400, "context_length_exceeded",
                        f"the prompt has {len(token_ids)} tokens and max_tokens is {max_tokens}, "
                        f"{len(token_ids) + max_tokens} in all, but model {model.name!r} fits "
-                       f"{model.max_model_len}; shorten the prompt or lower max_tokens",
-                       "max_tokens" if len(token_ids) < model.max_model_len else "prompt")
+                       f"{limit}; shorten the prompt or lower max_tokens",
+                       "max_tokens" if len(token_ids) < limit else "prompt")
     try:
         job_request.check(model.limits, token_ids)
     except SchemaError as exc:
@@ -323,10 +396,3 @@ def _find_idempotent(api_key_id: uuid.UUID | None, key: str) -> Job | None:
         return session.scalar(select(Job).where(owner, Job.idempotency_key == key))
 
 
-def _page_size(raw: str | None) -> int:
-    if raw is None:
-        return DEFAULT_PAGE_SIZE
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_PAGE_SIZE:
-        raise APIError(400, "invalid_value", f"limit must be an integer from 1 to "
-                       f"{MAX_PAGE_SIZE}", "limit")
-    return int(raw)

@@ -3,7 +3,6 @@ alias), `/v1/models`."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from typing import Any
@@ -13,8 +12,9 @@ import sqlalchemy.exc
 from flask import Blueprint, Response, jsonify
 from sqlalchemy import text
 
-from tasks.protocol import group_alive_key, groups_key
+from webapp.auth import require_key_for_metadata
 from webapp.errors import APIError
+from webapp.groups import live_groups as _live_groups
 from webapp.model_registry import ModelLoadError
 from webapp.services import services
 
@@ -55,6 +55,14 @@ def ready() -> tuple[Response, int]:
         checks["redis"] = "unreachable"
         missing.append("redis (check LLMQ_REDIS_URL)")
     if checks["redis"] == "ok":
+        # NOTE: a group whose breaker tripped leaves an unhealthy last beat: not a worker
+        unhealthy = {name: {group["id"]: group.get("unhealthy_reason", "unhealthy")
+                            for group in groups if group.get("healthy") is False}
+                     for name, groups in live.items()}
+        live = {name: [group for group in groups if group["id"] not in unhealthy[name]]
+                for name, groups in live.items()}
+        if any(unhealthy.values()):
+            checks["unhealthy"] = {name: ids for name, ids in unhealthy.items() if ids}
         checks["workers"] = {name: len(groups) for name, groups in live.items()}
         # each live group's devices and KV capacity (workers.engine.topology.GroupTopology)
         checks["topology"] = {name: [{"id": group["id"], **group.get("topology", {})}
@@ -76,6 +84,7 @@ def list_models() -> Response:
     """Served models (OpenAI's list shape) with their checkpoint, context length and live
     device groups (from heartbeats: load, limits and `topology` — device kind, devices,
     tp_size, KV capacity in blocks and tokens)."""
+    require_key_for_metadata()
     svc = services()
     names = svc.models.names()
     live = _live_groups(names)
@@ -94,37 +103,9 @@ def list_models() -> Response:
     return jsonify({"object": "list", "data": data})
 
 
-def _live_groups(names: list[str]) -> dict[str, list[dict[str, Any]]]:
-    """Per model: the heartbeats of its device groups whose alive key still exists."""
-    svc = services()
-    pipe = svc.redis.pipeline(transaction=False)
-    for name in names:
-        pipe.hgetall(groups_key(svc.settings, name))
-    heartbeats: list[dict[bytes, bytes]] = pipe.execute()
-    pipe = svc.redis.pipeline(transaction=False)
-    candidates = [(name, group_id.decode()) for name, groups in zip(names, heartbeats)
-                  for group_id in groups]
-    for name, group_id in candidates:
-        pipe.exists(group_alive_key(svc.settings, name, group_id))
-    alive = {candidate for candidate, exists in zip(candidates, pipe.execute()) if exists}
-    return {name: [_group(group_id.decode(), raw) for group_id, raw in sorted(groups.items())
-                   if (name, group_id.decode()) in alive]
-            for name, groups in zip(names, heartbeats)}
-
-
 def _created(path: str) -> int:
     """The checkpoint's modification time (unix seconds), 0 when unreadable."""
     try:
         return int(os.stat(os.path.join(path, "config.json")).st_mtime)
     except OSError:
         return 0
-
-
-def _group(group_id: str, raw: bytes) -> dict[str, Any]:
-    try:
-        info = json.loads(raw)
-    except ValueError:
-        info = {}
-    if not isinstance(info, dict):
-        info = {}
-    return {"id": group_id, **info}

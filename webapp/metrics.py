@@ -2,7 +2,8 @@
 
 Every web process renders the same numbers: counters and histograms come from the
 per-model hashes `tasks.metrics` maintains, gauges from the live group heartbeats. A
-fresh `CollectorRegistry` per scrape, so nothing is kept in (or differs between) processes.
+fresh `CollectorRegistry` per scrape, so nothing is kept in (or differs between) processes,
+except `llmq:sse_open_streams`: the event streams this process itself holds open.
 Names follow vLLM's under an `llmq:` prefix, labelled by `model_name`.
 """
 
@@ -33,6 +34,7 @@ from tasks.metrics import (
 )
 from tasks.models import JobStatus
 from tasks.protocol import group_alive_key, groups_key
+from webapp.auth import require_key_for_metadata
 from webapp.services import Services, services
 
 logger = logging.getLogger(__name__)
@@ -63,6 +65,7 @@ assert set(ENGINE_COUNTERS) <= set(COUNTERS)
 @bp.get("/metrics")
 def metrics() -> Response:
     """Prometheus text exposition of every served model's figures."""
+    require_key_for_metadata()
     registry = CollectorRegistry(auto_describe=False)
     registry.register(RedisCollector(services()))
     return Response(generate_latest(registry), mimetype=CONTENT_TYPE_LATEST.split(";")[0],
@@ -100,6 +103,11 @@ class RedisCollector:
             for group_id, figures in sorted(model_groups.items()):
                 kv_usage.add_metric([model, group_id], float(figures.get("kv_cache_usage", 0.0)))
         yield from (running, waiting, live_groups, kv_usage)
+        # NOTE: of this web process only (not read from Redis): each process holds its own
+        yield GaugeMetricFamily("llmq:sse_open_streams",
+                                "Readers of live job events in this web process: open "
+                                "event streams and OpenAI requests waiting for their job.",
+                                value=float(self.svc.subscriber.num_listening()))
 
         for field, (name, help_text) in COUNTERS.items():
             family = CounterMetricFamily(name, help_text, labels=["model_name"])

@@ -22,14 +22,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from flask import Blueprint, Response, stream_with_context
+from flask import Blueprint, Response
 
 from tasks.models import Job, JobKind, JobStatus
 from tasks.protocol import EventType, JobEvent
 from tasks.schema import SchemaError
+from tasks.streams.reader import Park
 from webapp.auth import current_api_key_id
 from webapp.errors import APIError, failed_job_error
 from webapp.events import terminal_event_from_row
+from webapp.groups import context_len
 from webapp.jobs import cancel, json_body, served_model, submit_job, tokenize
 from webapp.openai_format import (
     ChoiceLogprobs,
@@ -40,6 +42,7 @@ from webapp.openai_format import (
     usage_dict,
 )
 from webapp.services import Services, services
+from webapp.streaming import event_stream_response
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +115,7 @@ def _serve(kind: JobKind) -> Response:
     prompt_text, prompt_token_ids = tokenize(model, req.job)
     if req.fill_max_tokens:
         req.job.params.max_tokens = max(req.job.params.min_tokens, 1,
-                                        model.max_model_len - len(prompt_token_ids))
+                                        context_len(model) - len(prompt_token_ids))
     job, _ = submit_job(req.job, prompt_text, prompt_token_ids, api_key_id=api_key_id)
     tokenizer = model.tokenizer
     echo_text = None
@@ -126,12 +129,8 @@ def _serve(kind: JobKind) -> Response:
     )
     headers = {"X-Llmq-Job-Id": str(job.id)}
     if req.stream:
-        stream = _stream(svc, job, answer)
-        response = Response(stream_with_context(stream), mimetype="text/event-stream",
-                            headers=headers)
-        response.headers["Cache-Control"] = "no-cache"
-        response.headers["X-Accel-Buffering"] = "no"
-        return response
+        return event_stream_response(
+            lambda _sink, cooperative: _stream(svc, job, answer, cooperative), headers)
     body = _wait_and_answer(svc, job, answer, req)
     return Response(json.dumps(body, separators=(",", ":")), mimetype="application/json",
                     headers=headers)
@@ -140,14 +139,20 @@ def _serve(kind: JobKind) -> Response:
 # --- events ------------------------------------------------------------------------------
 
 
-def _job_events(svc: Services, job_id: str) -> Iterator[JobEvent | None]:
-    """The job's events up to the terminal one; `None` every idle STREAM_PING_SECONDS.
+def _job_events(svc: Services, job_id: str,
+                cooperative: bool = False) -> Iterator[JobEvent | Park | None]:
+    """The job's events up to the terminal one; `None` every idle STREAM_PING_SECONDS;
+    `Park` where a cooperative reader waits (see webapp/stream_server.py).
 
     Ends from the row when the row is terminal but the stream never gets a terminal
     event (a lost publish), as the jobs SSE view does.
     """
     terminal_seen_at: float | None = None
-    for item in svc.subscriber.iter_events(job_id, heartbeat_seconds=STREAM_PING_SECONDS):
+    for item in svc.subscriber.iter_events(job_id, heartbeat_seconds=STREAM_PING_SECONDS,
+                                           cooperative=cooperative):
+        if isinstance(item, Park):
+            yield item
+            continue
         if item is not None:
             yield item[1]
             continue
@@ -190,7 +195,7 @@ def _wait_and_answer(svc: Services, job: Job, answer: Answer,
                            f"{svc.settings.request_timeout_seconds:.0f}s and was cancelled; "
                            "lower max_tokens, or use stream: true or the jobs API "
                            "(/v1/jobs) for long generations")
-        if event is None:
+        if event is None or isinstance(event, Park):  # not cooperative: never a Park
             continue
         if event.type is EventType.RESTART:
             logprobs = [ChoiceLogprobs() for _ in range(answer.n)]
@@ -228,7 +233,8 @@ def _wait_and_answer(svc: Services, job: Job, answer: Answer,
 # --- streaming -----------------------------------------------------------------------------
 
 
-def _stream(svc: Services, job: Job, answer: Answer) -> Iterator[str]:
+def _stream(svc: Services, job: Job, answer: Answer,
+            cooperative: bool) -> Iterator[str | Park]:
     """OpenAI chunks of the job; closing this generator early cancels the job."""
     job_id = str(job.id)
     finished = False
@@ -244,7 +250,10 @@ def _stream(svc: Services, job: Job, answer: Answer) -> Iterator[str]:
             offsets = [len(answer.echo_text)] * n
         sent = [0] * n  # characters sent per choice
         produced = [0] * n  # characters of the current attempt per choice
-        for event in _job_events(svc, job_id):
+        for event in _job_events(svc, job_id, cooperative):
+            if isinstance(event, Park):
+                yield event
+                continue
             if event is None:
                 yield ": ping\n\n"  # also how a closed connection is noticed
                 continue

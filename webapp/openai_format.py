@@ -10,6 +10,8 @@ Choices made here:
 * Fields that would change the meaning of a request but are not implemented (`suffix`,
   `best_of` != `n`, `logit_bias`, tools, non-text `response_format`) are a 400, never
   ignored. Bookkeeping fields clients commonly send (`user`, `metadata`...) are ignored.
+* Shapes and types are the models' of `tasks.api.openai`; this module adds what spans
+  fields and maps OpenAI's names onto the job's.
 """
 
 from __future__ import annotations
@@ -17,24 +19,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tasks.models import JobKind
-from tasks.schema import JobRequest, SchemaError, parse_job_request
+from pydantic import ValidationError
 
-# passed through to the job schema as they are (OpenAI names and the extra fields serving
-# benchmarks send)
-PASSTHROUGH_FIELDS = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-                      "stop_token_ids", "ignore_eos", "min_tokens", "n", "presence_penalty",
-                      "frequency_penalty", "repetition_penalty", "priority")
-IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls",
-                            "skip_special_tokens", "spaces_between_special_tokens"})
-OWN_FIELDS = {
-    JobKind.COMPLETION: frozenset({"prompt", "max_tokens", "logprobs", "echo", "stream",
-                                   "stream_options", "suffix", "best_of", "logit_bias"}),
-    JobKind.CHAT: frozenset({"messages", "max_tokens", "max_completion_tokens", "logprobs",
-                             "top_logprobs", "stream", "stream_options", "logit_bias", "tools",
-                             "tool_choice", "functions", "function_call", "response_format"}),
-}
-DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+from tasks.api.openai import (
+    DEFAULT_COMPLETION_MAX_TOKENS,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
+from tasks.models import JobKind
+from tasks.schema import JobRequest, SchemaError, build_job_request
+
+REQUEST_MODELS = {JobKind.COMPLETION: CompletionRequest, JobKind.CHAT: ChatCompletionRequest}
 
 
 @dataclass(slots=True)
@@ -57,118 +52,86 @@ def parse_openai_request(body: Any, kind: JobKind, *, max_n: int) -> OpenAIReque
     """Validate an OpenAI body; raises SchemaError naming the field."""
     if not isinstance(body, dict):
         raise SchemaError("the request body must be a JSON object")
-    allowed = set(PASSTHROUGH_FIELDS) | OWN_FIELDS[kind] | IGNORED_FIELDS
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise SchemaError(f"unknown field {unknown[0]!r} for this endpoint; supported fields: "
-                          f"{', '.join(sorted(allowed - IGNORED_FIELDS))}", unknown[0])
-    _reject_unsupported(body, kind)
-    job_body = {name: body[name] for name in PASSTHROUGH_FIELDS if body.get(name) is not None}
-    stream = _bool(body, "stream")
-    include_usage = False
-    if body.get("stream_options") is not None:
-        options = body["stream_options"]
-        if not isinstance(options, dict) or set(options) - {"include_usage",
-                                                             "continuous_usage_stats"}:
-            raise SchemaError("stream_options must be an object like {\"include_usage\": true}",
-                              "stream_options")
-        if not stream:
-            raise SchemaError("stream_options is only allowed with stream: true",
-                              "stream_options")
-        include_usage = _bool(options, "include_usage", "stream_options.include_usage")
-    num_logprobs: int | None = None
-    fill_max_tokens = False
-    echo = False
-    if kind is JobKind.COMPLETION:
-        job_body["prompt"] = _single_prompt(body.get("prompt"))
-        job_body["max_tokens"] = body.get("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
-        if job_body["max_tokens"] is None:
-            job_body["max_tokens"] = DEFAULT_COMPLETION_MAX_TOKENS
-        if body.get("logprobs") is not None:
-            job_body["logprobs"] = num_logprobs = body["logprobs"]
-        echo = _bool(body, "echo")
-    else:
-        job_body["messages"] = _messages(body.get("messages"))
-        max_tokens = body.get("max_completion_tokens")
-        if max_tokens is None:
-            max_tokens = body.get("max_tokens")
-        if max_tokens is None:
-            fill_max_tokens = True
-            # a placeholder that passes validation; the real budget needs the prompt length
-            min_tokens = body.get("min_tokens")
-            max_tokens = min_tokens if isinstance(min_tokens, int) and min_tokens > 1 else 1
-        job_body["max_tokens"] = max_tokens
-        if _bool(body, "logprobs"):
-            top = body.get("top_logprobs")
-            job_body["logprobs"] = num_logprobs = 0 if top is None else top
-        elif body.get("top_logprobs") is not None:
-            raise SchemaError("top_logprobs needs logprobs: true", "top_logprobs")
+    model = REQUEST_MODELS[kind]
     try:
-        job = parse_job_request(job_body, max_n=max_n)
-    except SchemaError as exc:
-        if kind is JobKind.CHAT and exc.param == "logprobs":
-            # chat names the count top_logprobs (logprobs is its on/off switch)
-            raise SchemaError(exc.message.replace("logprobs", "top_logprobs", 1),
-                              "top_logprobs") from None
-        raise
-    return OpenAIRequest(job=job, stream=stream, include_usage=include_usage, echo=echo,
-                         num_logprobs=num_logprobs, fill_max_tokens=fill_max_tokens)
+        request = model.model_validate(body)
+    except ValidationError as exc:
+        raise SchemaError.from_validation(exc, model) from None
+    _reject_unsupported(request)
+    if request.stream_options is not None and not request.stream:
+        raise SchemaError("stream_options is only allowed with stream: true", "stream_options")
+    include_usage = bool(request.stream_options and request.stream_options.include_usage)
+    if isinstance(request, CompletionRequest):
+        return _completion(request, include_usage, max_n)
+    return _chat(request, include_usage, max_n)
 
 
-def _reject_unsupported(body: dict[str, Any], kind: JobKind) -> None:
-    if body.get("suffix"):
-        raise SchemaError("suffix (insertion) is not supported; put all text in the prompt",
-                          "suffix")
-    if body.get("best_of") is not None and body["best_of"] != body.get("n", 1):
-        raise SchemaError("best_of is not supported (only best_of == n); use n for several "
-                          "samples and choose among them yourself", "best_of")
-    if body.get("logit_bias"):
-        raise SchemaError("logit_bias is not supported", "logit_bias")
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise SchemaError(f"{name} (tool calling) is not supported", name)
-    response_format = body.get("response_format")
-    if response_format is not None and (not isinstance(response_format, dict)
-                                        or response_format.get("type") != "text"):
-        raise SchemaError("only response_format {\"type\": \"text\"} is supported",
-                          "response_format")
-
-
-def _bool(body: dict[str, Any], name: str, param: str | None = None) -> bool:
-    value = body.get(name)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise SchemaError(f"{param or name} must be true or false", param or name)
-    return value
-
-
-def _single_prompt(prompt: Any) -> Any:
+def _completion(request: CompletionRequest, include_usage: bool, max_n: int) -> OpenAIRequest:
+    prompt = request.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
             raise SchemaError(f"a batch of {len(prompt)} prompts is not supported: send one "
                               "request per prompt (each becomes its own job)", "prompt")
-        return prompt[0]
-    return prompt
+        prompt = prompt[0]
+    if isinstance(prompt, str) and not prompt:
+        raise SchemaError("prompt must not be empty", "prompt")
+    text, token_ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
+    max_tokens = request.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
+    job = build_job_request(request, prompt=text, prompt_token_ids=token_ids, messages=None,
+                            max_tokens=max_tokens, logprobs=request.logprobs, max_n=max_n)
+    return OpenAIRequest(job=job, stream=bool(request.stream), include_usage=include_usage,
+                         echo=bool(request.echo), num_logprobs=request.logprobs)
 
 
-def _messages(messages: Any) -> Any:
-    """OpenAI content parts ([{type: text, text}]) flattened to a string."""
-    if not isinstance(messages, list):
-        return messages
-    flat = []
-    for i, message in enumerate(messages):
-        if isinstance(message, dict) and isinstance(message.get("content"), list):
-            texts = []
-            for part in message["content"]:
-                if not isinstance(part, dict) or part.get("type") != "text" \
-                        or not isinstance(part.get("text"), str):
-                    raise SchemaError(f"messages[{i}].content: only text parts are supported",
-                                      f"messages[{i}].content")
-                texts.append(part["text"])
-            message = {**message, "content": "".join(texts)}
-        flat.append(message)
-    return flat
+def _chat(request: ChatCompletionRequest, include_usage: bool, max_n: int) -> OpenAIRequest:
+    messages = []
+    for message in request.messages:
+        content = message.content
+        if isinstance(content, list):  # OpenAI content parts, flattened to a string
+            content = "".join(part.text for part in content)
+        item = {"role": message.role, "content": content}
+        if message.name is not None:
+            item["name"] = message.name
+        messages.append(item)
+    max_tokens = request.max_completion_tokens
+    if max_tokens is None:
+        max_tokens = request.max_tokens
+    fill_max_tokens = max_tokens is None
+    if max_tokens is None:
+        # a placeholder that passes validation; the real budget needs the prompt length
+        max_tokens = max(request.min_tokens or 1, 1)
+    num_logprobs: int | None = None
+    if request.logprobs:
+        num_logprobs = request.top_logprobs or 0
+    elif request.top_logprobs is not None:
+        raise SchemaError("top_logprobs needs logprobs: true", "top_logprobs")
+    try:
+        job = build_job_request(request, prompt=None, prompt_token_ids=None, messages=messages,
+                                max_tokens=max_tokens, logprobs=num_logprobs, max_n=max_n)
+    except SchemaError as exc:
+        if exc.param == "logprobs":
+            # chat names the count top_logprobs (logprobs is its on/off switch)
+            raise SchemaError(exc.message.replace("logprobs", "top_logprobs", 1),
+                              "top_logprobs") from None
+        raise
+    return OpenAIRequest(job=job, stream=bool(request.stream), include_usage=include_usage,
+                         echo=False, num_logprobs=num_logprobs, fill_max_tokens=fill_max_tokens)
+
+
+def _reject_unsupported(request: CompletionRequest | ChatCompletionRequest) -> None:
+    if isinstance(request, CompletionRequest):
+        if request.suffix:
+            raise SchemaError("suffix (insertion) is not supported; put all text in the "
+                              "prompt", "suffix")
+        if request.best_of is not None and request.best_of != (request.n or 1):
+            raise SchemaError("best_of is not supported (only best_of == n); use n for "
+                              "several samples and choose among them yourself", "best_of")
+    if request.logit_bias:
+        raise SchemaError("logit_bias is not supported", "logit_bias")
+    if isinstance(request, ChatCompletionRequest):
+        for name in ("tools", "functions"):
+            if getattr(request, name):
+                raise SchemaError(f"{name} (tool calling) is not supported", name)
 
 
 # --- responses -------------------------------------------------------------------------

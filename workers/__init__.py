@@ -1,15 +1,17 @@
 """The device-group service (Celery worker, batcher, writer, publisher, heartbeat) and,
 in `workers.engine`, the engine it drives.
 
-`from workers import LLM, SamplingParams` is the offline API. Heavy modules (torch) load
-on first use, so importing a plain-data module of this package stays cheap.
+`from workers import LLM, SamplingParams, StructuredOutputs` is the offline API. Heavy
+modules (torch) load on first use, so importing a plain-data module of this package stays
+cheap.
 """
 
 from typing import Any
 
 from tasks.params import SamplingParams
+from tasks.structured import StructuredOutputs
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputs"]
 
 
 def __getattr__(name: str) -> Any:

@@ -51,11 +51,11 @@ class JobTaker(Protocol):
 class ClaimWriter(Protocol):
     """The writes admission hands on (`workers.db_writer.DbWriter`)."""
 
-    def own(self, job_id: str) -> None: ...
+    def own(self, job_id: str, attempt: int) -> None: ...
 
     def finish(self, result: JobResult) -> None: ...
 
-    def requeue(self, job_id: str, next_attempt: int) -> None: ...
+    def requeue(self, job_id: str, attempt: int, *, give_back: bool = True) -> None: ...
 
 
 class GenerateOutcome(str, Enum):
@@ -139,23 +139,24 @@ class JobAdmission:
         if row is None:
             logger.info("job %s is not queued any more; skipped", job_id)
             return GenerateOutcome.SKIPPED
-        self.writer.own(job_id)
         attempt = int(row.attempts)
+        self.writer.own(job_id, attempt)
         logger.info("job %s claimed by %s (attempt %d)", job_id, self.group_id, attempt)
         try:
             job = _admitted_job(job_id, row, attempt)
         except (TypeError, ValueError) as exc:
             logger.info("job %s has bad parameters: %s", job_id, exc)
-            self._end(job_id, JobStatus.FAILED, f"invalid job parameters: {exc}")
+            self._end(job_id, attempt, JobStatus.FAILED, f"invalid job parameters: {exc}")
             return GenerateOutcome.FAILED
         if self._cancel_requested(job_id):
             logger.info("job %s was cancelled before it started", job_id)
-            self._end(job_id, JobStatus.CANCELLED, None)
+            self._end(job_id, attempt, JobStatus.CANCELLED, None)
             return GenerateOutcome.CANCELLED
         if not self.batcher.admit(job):
-            # NOTE: shutting down; the job never ran here, so give it straight back.
+            # NOTE: shutting down; the job never ran here, so give it straight back
+            # (the claim is undone: it spent nothing).
             logger.info("job %s not admitted: %s is draining", job_id, self.group_id)
-            self.writer.requeue(job_id, attempt + 1)
+            self.writer.requeue(job_id, attempt, give_back=True)
             return GenerateOutcome.REQUEUED
         return GenerateOutcome.ADMITTED
 
@@ -189,7 +190,7 @@ class JobAdmission:
             logger.warning("could not read the cancel flag of job %s", job_id, exc_info=True)
             return False
 
-    def _end(self, job_id: str, status: JobStatus, error: str | None) -> None:
+    def _end(self, job_id: str, attempt: int, status: JobStatus, error: str | None) -> None:
         """Finish a job that never reached the engine (row first, then the event)."""
         reason = FinishReason.ERROR if status is JobStatus.FAILED else FinishReason.CANCELLED
         event_type = EventType.ERROR if status is JobStatus.FAILED else EventType.CANCELLED
@@ -199,6 +200,7 @@ class JobAdmission:
             job_id=job_id, status=status, finish_reason=reason.value, error=error,
             output=[], output_text="", prompt_tokens=0, completion_tokens=0, cached_tokens=0,
             event=JobEvent(event_type, finish_reason=reason.value, error=error, usage=usage),
+            attempt=attempt,
         ))
 
 

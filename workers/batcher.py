@@ -15,6 +15,17 @@ full, `cancel`, `drain`). Every loop the batcher
 
 It waits idle when nothing runs. An exception in a step fails the jobs that were in the
 engine with a terminal `error` event and a reason; the thread keeps serving.
+
+Health (the group's circuit breaker, DESIGN.md section 1): the engine isolates a failing
+request itself and counts consecutive failed steps (`num_consecutive_failed_steps`); an
+exception that escapes `engine.step()` counts as a failed step too (`workers/step_health.py`).
+Once that count reaches `max_consecutive_failed_steps`, the step's jobs are NOT failed: the
+batcher stops and hands every job back (`on_unhealthy`), since a device that keeps failing
+says nothing about the jobs.
+
+Fencing: every event carries its job's attempt; a job whose row moved on (the writer's
+write matched no row, or a lease renewal found it reclaimed) is dropped between steps
+without a result or another event (`lose`).
 """
 
 from __future__ import annotations
@@ -22,6 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, is_dataclass
 from datetime import datetime
 from typing import Any, Protocol
@@ -37,6 +49,7 @@ from workers.engine.outputs import CompletionDelta
 from workers.inbox import JobInbox
 from workers.job_rows import JobProgress, JobResult
 from workers.job_state import JobState
+from workers.step_health import StepHealth
 from workers.step_publisher import StepPublisher
 
 logger = logging.getLogger(__name__)
@@ -58,6 +71,9 @@ class BatchEngine(Protocol):
     def step(self) -> list[CompletionDelta]: ...
 
     def stats(self) -> EngineStats: ...
+
+    # consecutive steps that failed a request (0 after a step that succeeded)
+    num_consecutive_failed_steps: int
 
 
 class ResultWriter(Protocol):
@@ -92,6 +108,9 @@ class Batcher:
         capacity: int,
         progress_interval: float = 2.0,
         stats_interval: float = 0.5,
+        max_consecutive_failed_steps: int = 3,
+        on_unhealthy: Callable[[str], None] | None = None,
+        fault_inject_step_failures: int = 0,
     ) -> None:
         self.engine = engine
         self.writer = writer
@@ -107,7 +126,10 @@ class Batcher:
         self._finished: list[JobState] = []
         self._first_tokens: list[JobState] = []  # results to hand over after this step's events
         self.aborted: list[AdmittedJob] = []  # set when the loop ends: jobs given back
-        self._publisher = StepPublisher(publisher.sender(), writer.finish)
+        self.on_unhealthy = on_unhealthy  # called (batcher thread) when the breaker trips
+        self.health = StepHealth(max_consecutive_failed_steps,
+                                 fault_inject_step_failures=fault_inject_step_failures)
+        self.publisher = StepPublisher(publisher.sender(), writer.finish)
         # figures of finished jobs; the heartbeat writes them to Redis (no I/O here)
         self.metrics = WorkerMetrics()
         self._thread = threading.Thread(target=self._run, name="llmq-batcher", daemon=True)
@@ -116,7 +138,7 @@ class Batcher:
 
     def start(self) -> None:
         self._refresh_stats(force=True)
-        self._publisher.start()
+        self.publisher.start()
         self._thread.start()
 
     def admit(self, job: AdmittedJob, timeout: float | None = None) -> bool:
@@ -156,8 +178,17 @@ class Batcher:
         self._thread.join(timeout=60.0)
         return self.aborted
 
+    def lose(self, job_id: str, attempt: int) -> None:
+        """`attempt` of `job_id` is no longer ours: drop it between steps, silently."""
+        self._inbox.lose(job_id, attempt)
+
     def is_alive(self) -> bool:
         return self._thread.is_alive()
+
+    def join(self, timeout: float) -> bool:
+        """Wait for the loop to end (drain, trip); False if it is still running (hung)."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -168,6 +199,7 @@ class Batcher:
             # can change while it waits: only the inbox can bring work.
             if not (self._jobs or self.engine.has_unfinished_requests()):
                 while not self._inbox.wait(self.stats_interval):
+                    self.health.idle()
                     self._refresh_stats(force=True)  # idle: keep the load figures fresh
             work = self._inbox.take()
             if work.stopping:
@@ -178,15 +210,24 @@ class Batcher:
             # early-cancel memory) still catches it in _add_jobs.
             self._apply_cancels(work.cancels, events)
             self._add_jobs(work.jobs, work.cancelled_jobs, events)
+            self._drop_lost(work.lost)
             if self.engine.has_unfinished_requests():
                 self._step(events)
             elif self._jobs:
                 self._fail_orphans(events)
             self._emit(events)
+            if self.health.tripped is not None:
+                self._inbox.stop_admitting()
+                self._abort_everything(self._inbox.take().jobs)
+                break
             self._send_progress()
             self._refresh_stats()
-        self._publisher.stop()
+        self.publisher.stop()
         logger.info("batcher stopped after %d steps", self._num_steps)
+        if self.health.tripped is not None and self.on_unhealthy is not None:
+            # NOTE: after the publisher stopped: every event of the jobs handed back is
+            # stored before their `restart` goes out
+            self.on_unhealthy(self.health.tripped)  # hands self.aborted back
 
     def _apply_cancels(self, cancels: set[str], events: list[tuple[str, JobEvent]]) -> None:
         for job_id in cancels:
@@ -208,6 +249,11 @@ class Batcher:
     def _add_jobs(self, inbox: list[AdmittedJob], cancelled: set[str],
                   events: list[tuple[str, JobEvent]]) -> None:
         for job in inbox:
+            older = self._jobs.get(job.job_id)
+            if older is not None:
+                # NOTE: this group claimed the job again (beat reclaimed it while we could
+                # not renew): the older attempt is lost, whether or not we heard so yet.
+                self._drop_lost({(job.job_id, older.job.attempt)})
             state = JobState(job)
             self._jobs[job.job_id] = state
             if job.job_id in cancelled:
@@ -229,12 +275,32 @@ class Batcher:
                 continue
             state.num_prompt_tokens = int(num_prompt_tokens or 0)
 
+    def _drop_lost(self, lost: set[tuple[str, int]]) -> None:
+        for job_id, attempt in lost:
+            state = self._jobs.get(job_id)
+            if state is None or state.job.attempt != attempt:
+                continue
+            logger.warning("job %s: attempt %d is no longer ours (reclaimed); dropped",
+                           job_id, attempt)
+            try:
+                self.engine.abort_request(job_id)
+            except Exception:
+                logger.warning("could not abort lost job %s", job_id, exc_info=True)
+            del self._jobs[job_id]
+            self.publisher.forget(job_id)
+            self._inbox.release([state.job])
+
     def _step(self, events: list[tuple[str, JobEvent]]) -> None:
         try:
-            deltas = self.engine.step()
+            deltas = self.health.run(self.engine.step)
         except Exception as exc:  # fail the batch, keep the thread
-            logger.exception("engine step failed; failing %d jobs", len(self._jobs))
             reason = f"engine step failed: {type(exc).__name__}: {exc}"
+            if self.health.step_raised(reason):
+                # NOTE: the device, not the jobs: hand them back (the loop ends)
+                logger.exception("engine step failed %d times in a row; the group stops",
+                                 self.health.num_consecutive_failed_steps)
+                return
+            logger.exception("engine step failed; failing %d jobs", len(self._jobs))
             for state in list(self._jobs.values()):
                 try:
                     self.engine.abort_request(state.job.job_id)
@@ -244,6 +310,8 @@ class Batcher:
                 self._fail(state, reason, events)
             return
         self._num_steps += 1
+        # NOTE: getattr until every engine counts its isolated failures (workers/engine)
+        self.health.step_completed(self.engine.num_consecutive_failed_steps)
         self._handle_deltas(deltas, events)
 
     def _fail_orphans(self, events: list[tuple[str, JobEvent]]) -> None:
@@ -285,7 +353,9 @@ class Batcher:
         """Send this step's events (one publish call); its finished results follow them."""
         finished, self._finished = self._finished, []
         results = [state.result() for state in finished]
-        self._publisher.submit(events, results)
+        attempts = {job_id: state.job.attempt for job_id, state in self._jobs.items()}
+        attempts.update((state.job.job_id, state.job.attempt) for state in finished)
+        self.publisher.submit(events, attempts, results)
         for state, result in zip(finished, results):
             self.metrics.observe_job(state.figures(result))
         self._inbox.release([state.job for state in finished])
@@ -308,6 +378,7 @@ class Batcher:
             except Exception:
                 logger.warning("could not abort job %s at shutdown", state.job.job_id)
             aborted.append(state.job)
+            self.publisher.forget(state.job.job_id)
         self._jobs.clear()
         self.aborted = aborted
         self._inbox.release_all()

@@ -11,9 +11,16 @@ on the stream therefore always reads a terminal row. Token events are published 
 batcher as they are produced; a job's terminal event is handed here only after its last
 token event was published, so the stream order is preserved.
 
-Every job-row write is conditional on `status = 'running' AND worker = <this group>`:
-a job whose lease was reclaimed by another group is never overwritten, and its stream
-gets no terminal event from us.
+Every job-row write is fenced by `status = 'running' AND worker = <this group> AND
+attempts = <the attempt>` (workers/job_rows.py): a job whose lease was reclaimed is never
+overwritten by the attempt that lost it, and its stream gets no terminal event from it. A
+write or a lease renewal that finds the row moved on tells the batcher (`on_lost`), which
+drops the attempt. Leases are renewed only while `healthy()` (the batcher completes steps):
+a hung group lets its leases run out instead of holding its jobs forever.
+
+Outages: a batch Postgres could not take is retried with backoff, before anything new; a
+terminal or restart event Redis could not take is retried the same way (the rows are
+committed; the events follow as soon as Redis answers).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from tasks.db import utcnow
 from tasks.protocol import EventType, JobEvent
 from tasks.settings import Settings
+from tasks.streams.publish import EventFence
 from workers.job_rows import (
     JobProgress,
     JobRequeue,
@@ -47,6 +55,8 @@ _Item = JobWrite | threading.Event
 
 __all__ = ["DbWriter", "JobProgress", "JobResult"]
 
+UNPUBLISHED_RETRY_SECONDS = 0.5  # how often events Redis refused are tried again
+
 
 class DbWriter:
     """A daemon thread owning the group's job-row writes and its lease set.
@@ -59,12 +69,17 @@ class DbWriter:
         self,
         settings: Settings,
         session_factory: sessionmaker[Session],
-        publish: Callable[[list[tuple[str, JobEvent]]], object],
+        publish: Callable[[list[tuple[str, JobEvent]], list[EventFence]], object],
         send_generate: Callable[[str], None],
         group_id: str,
         *,
         max_batch: int = 256,
+        healthy: Callable[[], bool] | None = None,
+        on_lost: Callable[[str, int], None] | None = None,
     ) -> None:
+        self.healthy = healthy  # None: always renew
+        self.on_lost = on_lost  # (job id, attempt) whose row moved on
+        self._unpublished: list[tuple[str, JobEvent, EventFence]] = []  # writer thread
         self.settings = settings
         self.session_factory = session_factory
         self.publish = publish
@@ -73,7 +88,7 @@ class DbWriter:
         self.rows = JobRows(session_factory, group_id)
         self.max_batch = max_batch
         self._queue: queue.Queue[_Item] = queue.Queue()
-        self._owned: set[str] = set()  # jobs whose lease this group renews
+        self._owned: dict[str, int] = {}  # job id -> attempt whose lease this group renews
         self._owned_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="llmq-db-writer", daemon=True)
@@ -86,14 +101,15 @@ class DbWriter:
         self._next_renewal = time.monotonic() + self.settings.lease_renew_seconds
         self._thread.start()
 
-    def own(self, job_id: str) -> None:
-        """Start renewing `job_id`'s lease (called right after the claim)."""
+    def own(self, job_id: str, attempt: int) -> None:
+        """Start renewing the lease of `attempt` of `job_id` (right after the claim)."""
         with self._owned_lock:
-            self._owned.add(job_id)
+            self._owned[job_id] = attempt
 
-    def owned(self) -> list[str]:
+    def owned(self) -> dict[str, int]:
+        """Job id -> attempt of every job whose lease this group renews."""
         with self._owned_lock:
-            return list(self._owned)
+            return dict(self._owned)
 
     def progress(self, items: list[JobProgress]) -> None:
         for item in items:
@@ -103,9 +119,11 @@ class DbWriter:
         """Write the terminal row, then publish `result.event`; stops the lease renewal."""
         self._queue.put(result)
 
-    def requeue(self, job_id: str, next_attempt: int) -> None:
-        """Give a claimed job back: row to queued, a `restart` event, a new generate message."""
-        self._queue.put(JobRequeue(job_id, next_attempt))
+    def requeue(self, job_id: str, attempt: int, *, give_back: bool = True) -> None:
+        """Give `attempt` of a claimed job back: row to queued, a `restart` event, a new
+        generate message. `give_back`: not the job's fault (drain, tripped breaker), so
+        the attempt is not spent."""
+        self._queue.put(JobRequeue(job_id, attempt, give_back))
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Block until everything queued before this call is written. False on timeout."""
@@ -129,6 +147,8 @@ class DbWriter:
             wait = max(0.0, self._next_renewal - time.monotonic())
             if retry:
                 wait = min(wait, backoff)
+            if self._unpublished:
+                wait = min(wait, UNPUBLISHED_RETRY_SECONDS)
             try:
                 first = self._queue.get(timeout=wait)
             except queue.Empty:
@@ -141,6 +161,8 @@ class DbWriter:
                     break
             retry = self._write(batch)
             backoff = min(5.0, max(0.2, backoff * 2)) if retry else 0.0
+            if self._unpublished:
+                self._publish_pending()
             if time.monotonic() >= self._next_renewal:
                 self._renew_leases()
                 self._next_renewal = time.monotonic() + self.settings.lease_renew_seconds
@@ -180,7 +202,8 @@ class DbWriter:
         except Exception as exc:
             if not isinstance(item, JobResult) or _is_outage(exc):
                 logger.exception("dropping an update of job %s", item.job_id)
-                self._release(item.job_id)
+                if not isinstance(item, JobProgress):
+                    self._release(item.job_id)
                 return
             logger.exception("job %s: its result was rejected; storing a failure", item.job_id)
             try:
@@ -192,21 +215,21 @@ class DbWriter:
     def _release(self, job_id: str) -> None:
         """Stop renewing the lease: reclaim reruns a job whose end we could not store."""
         with self._owned_lock:
-            self._owned.discard(job_id)
+            self._owned.pop(job_id, None)
 
     def _store(self, items: list[JobWrite]) -> None:
-        written, requeued = self.rows.write(items)
+        outcome = self.rows.write(items)
+        written, requeued = outcome.written, outcome.requeued
         with self._owned_lock:
-            self._owned.difference_update(
-                i.job_id for i in items if isinstance(i, JobResult | JobRequeue))
-        events = [(r.job_id, r.event) for r in written]
-        events += [(q.job_id, JobEvent(EventType.RESTART, attempt=q.next_attempt))
-                   for q in requeued]
-        if events:
-            try:
-                self.publish(events)
-            except Exception:  # the rows are right; the web ends streams
-                logger.exception("publishing %d terminal/restart events failed", len(events))
+            for item in items:
+                if isinstance(item, JobResult | JobRequeue):
+                    self._disown(item.job_id, item.attempt)
+        self._lost(outcome.lost, items)
+        self._unpublished += [(r.job_id, r.event, EventFence(r.attempt or 0, 0))
+                              for r in written]
+        self._unpublished += [(q.job_id, JobEvent(EventType.RESTART, attempt=q.next_attempt),
+                               EventFence(0, 0)) for q in requeued]
+        self._publish_pending()
         for q in requeued:
             try:
                 self.send_generate(q.job_id)
@@ -222,14 +245,53 @@ class DbWriter:
             logger.info("job %s requeued by %s (next attempt %d)",
                         q.job_id, self.group_id, q.next_attempt)
 
-    def _renew_leases(self) -> None:
-        ids = self.owned()
-        if not ids:
-            return
+    def _publish_pending(self) -> None:
+        """Terminal and restart events of committed rows, in order; kept on failure."""
+        pending = self._unpublished
         try:
-            self.rows.renew_leases(ids, utcnow() + timedelta(seconds=self.settings.lease_seconds))
-        except Exception:  # retried at the next renewal
-            logger.exception("renewing the leases of %d jobs failed", len(ids))
+            self.publish([(job_id, event) for job_id, event, _ in pending],
+                         [fence for _, _, fence in pending])
+        except Exception as exc:  # the rows are right; retried each loop until Redis answers
+            logger.warning("publishing %d terminal/restart events failed (%s); retrying",
+                           len(pending), exc)
+            return
+        self._unpublished = []
+
+    def _lost(self, job_ids: list[str], items: list[JobWrite] | None = None) -> None:
+        """Tell the batcher these attempts are no longer ours."""
+        attempts = {i.job_id: i.attempt for i in items or []
+                    if isinstance(i, JobResult | JobRequeue) and i.attempt is not None}
+        for job_id in job_ids:
+            with self._owned_lock:
+                attempt = attempts.get(job_id, self._owned.get(job_id))
+                self._disown(job_id, attempt)
+            if attempt is not None and self.on_lost is not None:
+                self.on_lost(job_id, attempt)
+
+    def _disown(self, job_id: str, attempt: int | None) -> None:
+        """Caller holds _owned_lock. Stop renewing `attempt` of `job_id`; a newer claim of
+        the same job by this group keeps its lease."""
+        if attempt is None or self._owned.get(job_id) == attempt:
+            self._owned.pop(job_id, None)
+
+    def _renew_leases(self) -> None:
+        owned = self.owned()
+        if not owned:
+            return
+        if self.healthy is not None and not self.healthy():
+            logger.warning("no step completed lately; not renewing the leases of %d jobs",
+                           len(owned))
+            return
+        expires = utcnow() + timedelta(seconds=self.settings.lease_seconds)
+        try:
+            lost = self.rows.renew_leases(owned, expires)
+        except Exception as exc:  # retried at the next renewal
+            logger.warning("renewing the leases of %d jobs failed (%s)", len(owned), exc)
+            return
+        if lost:
+            logger.warning("%d jobs were reclaimed from %s while it could not renew: %s",
+                           len(lost), self.group_id, ", ".join(lost))
+            self._lost(lost)
 
 
 def _is_outage(exc: Exception) -> bool:

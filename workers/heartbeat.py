@@ -23,6 +23,9 @@ from tasks.settings import Settings
 
 logger = logging.getLogger(__name__)
 
+# how long the last beat of a group that stopped unhealthy stays visible (`/ready` says why)
+UNHEALTHY_ALIVE_SECONDS = 60
+
 
 class BeatPipeline(Protocol):
     """The commands of one beat, sent together (`redis.client.Pipeline`)."""
@@ -87,17 +90,30 @@ class Heartbeat:
         self.interval = interval
         self.metrics = metrics  # the batcher's figures, written with each beat
         self.draining = False
+        self.unhealthy: str | None = None  # why the group stopped serving (breaker, watchdog)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="llmq-heartbeat", daemon=True)
 
     def start(self) -> None:
-        self.beat()  # visible before the first task is fetched
+        try:
+            self.beat()  # visible before the first task is fetched
+        except Exception:  # Redis blinked: the thread beats again shortly
+            logger.warning("first heartbeat of %s failed", self.identity.group_id,
+                           exc_info=True)
         self._thread.start()
 
-    def stop(self) -> None:
-        """End the thread and remove this group's entry."""
+    def stop(self, *, remove: bool = True) -> None:
+        """End the thread and remove this group's entry (`remove=False`: a failed group
+        leaves its last, unhealthy beat until the alive key expires, so `/ready` says why)."""
         self._stop.set()
         self._thread.join(self.interval + 5.0)
+        if not remove:
+            try:
+                self.beat(alive_seconds=UNHEALTHY_ALIVE_SECONDS)
+            except Exception:
+                logger.warning("could not write the last heartbeat of %s",
+                               self.identity.group_id, exc_info=True)
+            return
         try:
             pipe = self.redis.pipeline(transaction=False)
             if self.metrics is not None:  # the figures of the last jobs (drain)
@@ -113,16 +129,20 @@ class Heartbeat:
         figures = asdict(self.identity)
         figures.update(self.load())
         figures["draining"] = self.draining
+        figures["healthy"] = self.unhealthy is None
+        if self.unhealthy is not None:
+            figures["unhealthy_reason"] = self.unhealthy
         figures["updated_at"] = time.time()
         return figures
 
-    def beat(self) -> None:
+    def beat(self, alive_seconds: int | None = None) -> None:
         figures = self.figures()
         payload = json.dumps(figures, separators=(",", ":"))
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(groups_key(self.settings, self.identity.model), self.identity.group_id,
                   payload)
-        pipe.set(self._alive_key(), payload, ex=max(1, int(self.interval * 3 + 0.999)))
+        pipe.set(self._alive_key(), payload,
+                 ex=alive_seconds or max(1, int(self.interval * 3 + 0.999)))
         metrics, written = self.metrics, None
         if metrics is not None:
             # NOTE: the service counters ride on this pipeline: no extra round trip

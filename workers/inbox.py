@@ -28,6 +28,7 @@ class InboxTake:
     jobs: list[AdmittedJob]  # admitted since the last take, in admission order
     cancels: set[str]  # job ids whose cancel was requested since the last take
     cancelled_jobs: set[str]  # ids among `jobs` with a recent cancel: end them unrun
+    lost: set[tuple[str, int]]  # (job id, attempt) the row moved on from: drop them silently
     stopping: bool  # the drain's grace is over: abort everything and end the loop
 
 
@@ -41,6 +42,7 @@ class JobInbox:
         self._cancels = CancelRequests()
         self._num_active_samples = 0  # admitted, not finished; counted against capacity
         self._num_jobs = 0  # admitted, not finished (in the engine or about to be added)
+        self._lost: set[tuple[str, int]] = set()
         self._admitting = True
         self._stopping = False
 
@@ -76,6 +78,14 @@ class JobInbox:
         """Record a cancel request; it also releases `job_id` if it waits in `admit`."""
         with self._cv:
             self._cancels.add(job_id, time.monotonic())
+            self._cv.notify_all()
+
+    def lose(self, job_id: str, attempt: int) -> None:
+        """`attempt` of `job_id` is no longer ours (its row moved on): the loop drops it
+        without a result or another event. Keyed by attempt: a later claim of the same
+        job by this group is not touched."""
+        with self._cv:
+            self._lost.add((job_id, attempt))
             self._cv.notify_all()
 
     def stop_admitting(self) -> None:
@@ -119,7 +129,8 @@ class JobInbox:
             cancels = self._cancels.take_new()
             self._cancels.prune(time.monotonic())
             cancelled_jobs = {job.job_id for job in jobs if job.job_id in self._cancels}
-            return InboxTake(jobs, cancels, cancelled_jobs, self._stopping)
+            lost, self._lost = self._lost, set()
+            return InboxTake(jobs, cancels, cancelled_jobs, lost, self._stopping)
 
     def release(self, jobs: list[AdmittedJob]) -> None:
         """`jobs` finished: their samples no longer count against the capacity."""
@@ -138,4 +149,4 @@ class JobInbox:
             self._cv.notify_all()
 
     def _has_work(self) -> bool:
-        return bool(self._jobs) or self._cancels.has_new or self._stopping
+        return bool(self._jobs) or self._cancels.has_new or bool(self._lost) or self._stopping

@@ -1,7 +1,10 @@
 """The job-row statements of a device group: what its writer thread executes.
 
-Every write is conditional on `status = 'running' AND worker = <this group>`: a job whose
-lease was reclaimed by another group is never overwritten by a late write from us.
+Every write is FENCED: conditional on `status = 'running' AND worker = <this group> AND
+attempts = <the attempt that wrote it>`. `attempts` counts claims, so once beat reclaimed a
+job (its lease ran out while we could not reach Postgres) and any group, even this one,
+claimed it again, a late write of the old attempt matches no row: it never lands as the
+job's result. A write that matches no row tells the writer the attempt is lost.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, cast
 
-from sqlalchemy import DateTime, Table, Update, bindparam, func, update
+from sqlalchemy import DateTime, Table, Update, bindparam, func, tuple_, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from tasks.db import update_count, utcnow
@@ -38,6 +41,9 @@ class JobResult:
     event: JobEvent  # the terminal stream event
     first_token_at: datetime | None = None
     finished_at: datetime = field(default_factory=utcnow)
+    # the claim this result belongs to (jobs.attempts after it); None only for a row
+    # written by hand, which is then fenced by status and worker alone
+    attempt: int | None = None
 
 
 @dataclass(slots=True)
@@ -47,19 +53,40 @@ class JobProgress:
     job_id: str
     output_text: str  # sample 0 so far
     completion_tokens: int
+    attempt: int  # the claim that produced it (jobs.attempts after it)
     first_token_at: datetime | None = None
 
 
 @dataclass(slots=True)
 class JobRequeue:
-    """Give a claimed job back to the queue (drain)."""
+    """Give a claimed job back to the queue.
+
+    `give_back`: the hand-back is not the job's fault (a drain, a tripped breaker), so the
+    claim is undone (`attempts - 1` in the same UPDATE) and rolling restarts never spend
+    a job's retry budget. The restart event then announces the same attempt number again.
+    """
 
     job_id: str
-    next_attempt: int
+    attempt: int  # the claim being handed back (jobs.attempts now)
+    give_back: bool = True
+
+    @property
+    def next_attempt(self) -> int:
+        """The number the next claim will carry."""
+        return self.attempt if self.give_back else self.attempt + 1
 
 
 # what the writer thread hands to `JobRows.write`
 JobWrite = JobResult | JobProgress | JobRequeue
+
+
+@dataclass(slots=True)
+class WriteOutcome:
+    """What one `JobRows.write` did."""
+
+    written: list[JobResult]  # results stored: publish their terminal events
+    requeued: list[JobRequeue]  # rows handed back: publish restart, send generate
+    lost: list[str]  # job ids whose attempt matched no row: the job moved on without us
 
 
 class JobRows:
@@ -72,18 +99,20 @@ class JobRows:
         self._progress_statement = (
             jobs.update()
             .where(jobs.c.id == bindparam("b_id"),
-                   jobs.c.status == JobStatus.RUNNING.value, jobs.c.worker == group_id)
+                   jobs.c.status == JobStatus.RUNNING.value, jobs.c.worker == group_id,
+                   jobs.c.attempts == bindparam("b_attempt"))
             .values(output_text=bindparam("b_text"), completion_tokens=bindparam("b_tokens"),
                     first_token_at=func.coalesce(bindparam("b_first", type_=DateTime(True)),
                                                  jobs.c.first_token_at))
         )
 
-    def write(self, items: list[JobWrite]) -> tuple[list[JobResult], list[JobRequeue]]:
+    def write(self, items: list[JobWrite]) -> WriteOutcome:
         """Write progress, results and requeues in ONE transaction; returns the results
-        and requeues that matched a row of ours (the others were reclaimed meanwhile)."""
+        and requeues that matched a row of ours, and the jobs whose attempt is lost."""
         finished = {i.job_id for i in items if isinstance(i, JobResult | JobRequeue)}
         written: list[JobResult] = []
         requeued: list[JobRequeue] = []
+        lost: list[str] = []
         # the terminal write carries more than any progress of the same job
         progress = [_progress(i) for i in items
                     if isinstance(i, JobProgress) and i.job_id not in finished]
@@ -93,28 +122,43 @@ class JobRows:
                 session.execute(self._progress_statement, progress)
             for item in items:
                 if isinstance(item, JobResult):
-                    if update_count(session, self._mine(item.job_id).values(**_result(item))):
+                    statement = self._mine(item.job_id, item.attempt).values(**_result(item))
+                    if update_count(session, statement):
                         written.append(item)
                     else:
-                        logger.warning("job %s is no longer running on %s; result not stored",
-                                       item.job_id, self.group_id)
+                        lost.append(item.job_id)
+                        logger.warning("job %s (attempt %s) is no longer running on %s; "
+                                       "result not stored", item.job_id, item.attempt,
+                                       self.group_id)
                 elif isinstance(item, JobRequeue):
-                    values = {"status": JobStatus.QUEUED.value, "worker": None,
-                              "lease_expires_at": None, "output_text": None,
-                              "completion_tokens": None, "first_token_at": None}
-                    if update_count(session, self._mine(item.job_id).values(**values)):
+                    values: dict[str, Any] = {
+                        "status": JobStatus.QUEUED.value, "worker": None,
+                        "lease_expires_at": None, "output_text": None,
+                        "completion_tokens": None, "first_token_at": None}
+                    if item.give_back:
+                        values["attempts"] = Job.attempts - 1
+                    if update_count(session, self._mine(item.job_id, item.attempt)
+                                    .values(**values)):
                         requeued.append(item)
-        return written, requeued
+                    else:
+                        lost.append(item.job_id)
+        return WriteOutcome(written, requeued, lost)
 
-    def renew_leases(self, job_ids: list[str], expires: datetime) -> None:
-        """ONE UPDATE for every running job of this group."""
+    def renew_leases(self, owned: dict[str, int], expires: datetime) -> list[str]:
+        """ONE UPDATE for every running job of this group (`owned`: job id -> attempt);
+        returns the ids whose row is no longer ours (reclaimed, or claimed again)."""
+        jobs = cast(Table, Job.__table__)
+        pairs = [(uuid.UUID(job_id), attempt) for job_id, attempt in owned.items()]
         with self.session_factory.begin() as session:
-            session.execute(
-                update(Job)
-                .where(Job.id.in_([uuid.UUID(i) for i in job_ids]),
-                       Job.status == JobStatus.RUNNING.value, Job.worker == self.group_id)
+            renewed = session.execute(
+                update(jobs)
+                .where(tuple_(jobs.c.id, jobs.c.attempts).in_(pairs),
+                       jobs.c.status == JobStatus.RUNNING.value, jobs.c.worker == self.group_id)
                 .values(lease_expires_at=expires)
-            )
+                .returning(jobs.c.id)
+            ).scalars().all()
+        kept = {str(job_uuid) for job_uuid in renewed}
+        return [job_id for job_id in owned if job_id not in kept]
 
     def hand_to_reclaim(self, job_id: str) -> None:
         """A queued row with no message would wait forever (reclaim only looks at running
@@ -128,12 +172,13 @@ class JobRows:
                         lease_expires_at=utcnow())
             )
 
-    def _mine(self, job_id: str) -> Update:
-        return update(Job).where(
+    def _mine(self, job_id: str, attempt: int | None) -> Update:
+        statement = update(Job).where(
             Job.id == uuid.UUID(job_id),
             Job.status == JobStatus.RUNNING.value,
             Job.worker == self.group_id,
         )
+        return statement if attempt is None else statement.where(Job.attempts == attempt)
 
 
 def unstorable(result: JobResult, exc: Exception) -> JobResult:
@@ -146,12 +191,14 @@ def unstorable(result: JobResult, exc: Exception) -> JobResult:
                      error=error, output=[], output_text="", prompt_tokens=result.prompt_tokens,
                      completion_tokens=result.completion_tokens,
                      cached_tokens=result.cached_tokens, event=event,
-                     first_token_at=result.first_token_at, finished_at=result.finished_at)
+                     first_token_at=result.first_token_at, finished_at=result.finished_at,
+                     attempt=result.attempt)
 
 
 def _progress(item: JobProgress) -> dict[str, Any]:
     return {"b_id": uuid.UUID(item.job_id), "b_text": item.output_text,
-            "b_tokens": item.completion_tokens, "b_first": item.first_token_at}
+            "b_tokens": item.completion_tokens, "b_first": item.first_token_at,
+            "b_attempt": item.attempt}
 
 
 def _result(item: JobResult) -> dict[str, Any]:

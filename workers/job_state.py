@@ -58,6 +58,9 @@ class JobState:
         if delta.finished and self.finish_reasons[index] is None:
             reason = delta.finish_reason or FinishReason.STOP
             self.finish_reasons[index] = reason.value
+            if reason is FinishReason.ERROR and self.error is None:
+                # the engine failed this request alone (a step that raised for it)
+                self.error = delta.error or "the model step failed for this request"
         if not delta.new_token_ids and not delta.text:
             return None
         return JobEvent(
@@ -84,6 +87,7 @@ class JobState:
             job_id=self.job.job_id,
             output_text="".join(self.texts[0]),
             completion_tokens=sum(len(t) for t in self.token_ids),
+            attempt=self.job.attempt,
             first_token_at=self.first_token_at,
         )
 
@@ -124,6 +128,7 @@ class JobState:
             cached_tokens=self.num_cached_tokens,
             event=event,
             first_token_at=self.first_token_at,
+            attempt=self.job.attempt,
         )
 
     def figures(self, result: JobResult) -> JobFigures:

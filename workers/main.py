@@ -158,4 +158,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code:
+        # NOTE: a tripped group's batcher may be stuck inside a step (a daemon thread,
+        # but interpreter shutdown could still wait on the locks it holds): flush the
+        # logs and leave now.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -10,6 +10,13 @@ event, a new generate message), flush the writer, remove the heartbeat.
 
 A TP rank lost (`runner.on_failure`) fails the running jobs, stops admission and sends
 the process SIGTERM, so Celery's warm shutdown drains it and `workers.main` exits non-zero.
+
+The circuit breaker (DESIGN.md section 1): `settings.max_consecutive_step_failures`
+failed steps in a row (the batcher counts them), or a step running past
+`settings.step_timeout_seconds` (the watchdog thread here), TRIP the group: it stops
+claiming, hands every job back to the queue without spending its attempt, publishes
+nothing more for them, says `healthy: false` in its heartbeat, and exits non-zero. A
+hung batcher thread is a daemon and is never joined, so it cannot keep the process alive.
 """
 
 from __future__ import annotations
@@ -56,6 +63,8 @@ class GroupRuntime:
         self.admission: JobAdmission | None = None
         self._started = False
         self._stopped = threading.Event()
+        self._trip_lock = threading.Lock()
+        self.tripped = False  # the breaker or the watchdog stopped the group
 
     def start(self) -> None:
         # NOTE: heavy imports here, not at module import: `--help` stays instant.
@@ -91,15 +100,20 @@ class GroupRuntime:
                     self.model_name, self.model_dir, time.monotonic() - started,
                     self.engine.max_model_len)
         self.redis = make_redis(s.redis_url)
+        self._wait_for_redis()
         # one connection per task thread (claims) plus the writer's, and a little slack
         self.db_engine = create_db_engine(s.database_url, pool_size=self.concurrency + 2,
                                           max_overflow=2)
         session_factory = make_sessionmaker(self.db_engine)
         publisher = EventPublisher(self.redis, s)
         self.writer = DbWriter(s, session_factory, publisher.publish, self.send_generate,
-                               self.group_id)
+                               self.group_id, healthy=self._steps_complete,
+                               on_lost=self._on_lost)
         self.batcher = Batcher(self.engine, publisher, self.writer,
-                               capacity=s.max_num_seqs)
+                               capacity=s.max_num_seqs,
+                               max_consecutive_failed_steps=s.max_consecutive_step_failures,
+                               on_unhealthy=self._on_breaker,
+                               fault_inject_step_failures=s.fault_inject_step_failures)
         self.admission = JobAdmission(s, session_factory, self.redis, self.batcher,
                                       self.writer, self.group_id, self.send_generate)
         self.cancels = CancelListener(self.redis, s, self.batcher.cancel)
@@ -122,6 +136,8 @@ class GroupRuntime:
         self.batcher.start()
         self.cancels.start()
         self.heartbeat.start()
+        threading.Thread(target=self._watch_steps, name="llmq-step-watchdog",
+                         daemon=True).start()
         self._started = True
         if hasattr(runner, "on_failure"):
             runner.on_failure(self._on_runner_failure)
@@ -141,6 +157,83 @@ class GroupRuntime:
             os.kill(os.getpid(), signal.SIGTERM)  # Celery's warm shutdown runs our drain
 
         threading.Thread(target=stop_worker, name="llmq-group-failed", daemon=True).start()
+
+    def _wait_for_redis(self) -> None:
+        """A worker started before Redis waits for it (broker, streams, heartbeat)."""
+        backoff, logged = 0.2, False
+        while True:
+            try:
+                self.redis.ping()
+                if logged:
+                    logger.info("group %s: Redis at %s answers", self.group_id,
+                                _redacted(self.settings.redis_url))
+                return
+            except Exception as exc:
+                if not logged:
+                    logger.warning("group %s is waiting for Redis at %s (broker, token "
+                                   "streams, heartbeat): %s", self.group_id,
+                                   _redacted(self.settings.redis_url), exc)
+                    logged = True
+                time.sleep(backoff)
+                backoff = min(5.0, backoff * 2)
+
+    # -- health ----------------------------------------------------------------------------
+
+    def _steps_complete(self) -> bool:
+        """The writer renews leases only while this holds: a step (or an idle wait) ended
+        within the last half lease."""
+        return self.batcher.health.seconds_since_progress() < self.settings.lease_seconds / 2
+
+    def _on_lost(self, job_id: str, attempt: int) -> None:
+        self.batcher.lose(job_id, attempt)
+
+    def _watch_steps(self) -> None:
+        """The watchdog: trip the group when one step runs past the step timeout."""
+        timeout = self.settings.step_timeout_seconds
+        while not self._stopped.wait(min(1.0, timeout / 4)):
+            started = self.batcher.health.step_started_at
+            if started is not None and time.monotonic() - started > timeout:
+                self._trip(f"a step ran longer than {timeout:g}s "
+                           "(LLMQ_STEP_TIMEOUT_SECONDS)", hung=True)
+                return
+
+    def _on_breaker(self, reason: str) -> None:
+        """The batcher stopped after consecutive failed steps (its thread)."""
+        self._trip(reason, hung=False)
+
+    def _trip(self, reason: str, *, hung: bool) -> None:
+        """Stop claiming, hand every job back (attempt not spent), say unhealthy, exit."""
+        with self._trip_lock:
+            if self.failure is not None:
+                return
+            self.failure = reason
+            self.tripped = True
+        logger.error("group %s is unhealthy (%s): handing its jobs back and exiting",
+                     self.group_id, reason)
+        self.heartbeat.unhealthy = reason
+        self.batcher.stop_admitting()
+        if self.admission is not None:
+            self.admission.close()
+        if hung:
+            # NOTE: the batcher is stuck inside a step: nothing it publishes or writes
+            # later may reach the jobs' streams (the publisher is closed) or rows (they
+            # are queued, or another group's, so its fenced writes match nothing).
+            self.batcher.publisher.close()
+            jobs = self.writer.owned()
+        else:
+            jobs = {job.job_id: job.attempt for job in self.batcher.aborted}
+            self.batcher.aborted = []
+        for job_id, attempt in jobs.items():
+            self.writer.requeue(job_id, attempt, give_back=True)
+        logger.error("group %s handed back %d jobs", self.group_id, len(jobs))
+        try:
+            self.heartbeat.beat()
+        except Exception:
+            logger.warning("could not report %s unhealthy", self.group_id, exc_info=True)
+        # Celery's warm shutdown runs our stop(); from a thread: the caller may be the
+        # batcher, which must end its loop first
+        threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGTERM),
+                         name="llmq-group-tripped", daemon=True).start()
 
     def send_generate(self, job_id: str) -> None:
         send_generate(self.app, self.settings, job_id, self.model_name)
@@ -180,19 +273,38 @@ class GroupRuntime:
                     self.batcher.load().num_jobs)
         self.heartbeat.draining = True
         self.admission.close()
-        aborted = self.batcher.drain(grace)
+        aborted = []
+        if self.tripped:
+            # the jobs were handed back already; a hung batcher is not waited for
+            self.batcher.join(0.5)
+        else:
+            aborted = self.batcher.drain(grace)
         self.admission.wait_idle(timeout=10.0)
         for job in aborted:
-            self.writer.requeue(job.job_id, job.attempt + 1)
+            # NOTE: not the job's fault: the attempt is given back (rolling restarts never
+            # spend a job's retry budget)
+            self.writer.requeue(job.job_id, job.attempt, give_back=True)
         if aborted:
             logger.info("group %s requeued %d unfinished jobs", self.group_id, len(aborted))
         self.writer.stop()
-        self.engine.close()  # KV blocks still queued for the tiers
+        if self.tripped and self.batcher.is_alive():
+            logger.error("group %s: the batcher is stuck in a step; not waiting for it",
+                         self.group_id)
+        else:
+            self.engine.close()  # KV blocks still queued for the tiers
         self.cancels.stop()
-        self.heartbeat.stop()
+        self.heartbeat.stop(remove=not self.tripped)
         self.redis.close()
         self.db_engine.dispose()
         logger.info("group %s stopped", self.group_id)
 
     terminate = stop
 
+
+
+def _redacted(url: str) -> str:
+    """`url` without a password, for the log."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or "@" not in rest:
+        return url
+    return f"{scheme}://***@{rest.rpartition('@')[2]}"

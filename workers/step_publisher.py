@@ -1,14 +1,24 @@
-"""Publishes each step's events the moment the step ends, in step order.
+"""Publishes each step's events the moment the step ends, in step order, and never loses
+one to a Redis outage.
 
 The batcher thread sends a step's events itself (one EVAL, pipelined on the sender's own
 connection, no wait for the reply): waiting for a publisher thread to get the GIL from a
 busy batcher made that hand-off most of the token delivery latency. A publisher thread
 reads the replies, in order, and only then hands the step's finished results on.
 
-NOTE (order): one connection, one FIFO. A step's finished results are handed to the
-writer only after that step's token events are stored, and the writer publishes a
-terminal event only after committing its row: a job's stream is its tokens, then one
-terminal event, and a client that sees the terminal event reads a terminal row.
+Redis outages: a send or a reply that fails switches the publisher to RECOVERING. From
+then on the batcher only queues its steps (bounded: `max_pending_steps`; a full queue
+blocks the batcher, which is back-pressure, not loss), and the publisher thread re-sends
+every step whose reply it did not read, in order, with backoff, until Redis answers; then
+it switches back to direct sends. A re-sent step may have been stored the first time:
+each event carries its job's attempt and a sequence number, and the publish script stores
+an event only if its sequence number is new (tasks/streams/publish.py), so a client sees
+every token exactly once.
+
+NOTE (order): one FIFO. A step's finished results are handed to the writer only after that
+step's token events are stored, and the writer publishes a terminal event only after
+committing its row: a job's stream is its tokens, then one terminal event, and a client
+that sees the terminal event reads a terminal row.
 """
 
 from __future__ import annotations
@@ -18,87 +28,189 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from tasks.protocol import EventType, JobEvent
+from tasks.streams.publish import EventFence
 from workers.job_rows import JobResult
 
 logger = logging.getLogger(__name__)
+
+RETRY_MIN_SECONDS = 0.1
+RETRY_MAX_SECONDS = 2.0
 
 
 class EventSender(Protocol):
     """Sends a step's events without waiting for the reply
     (`tasks.streams.publish.PipelinedSender`)."""
 
-    def send(self, events: list[tuple[str, JobEvent]]) -> object:
-        """Send `events` now; returns an opaque handle for `receive`. Raises on failure."""
+    def send(self, events: list[tuple[str, JobEvent]],
+             fences: list[EventFence] | None = None) -> object:
+        """Send `events` now; returns an opaque handle for `receive`. Raises on failure,
+        and keeps raising until `reset`."""
         ...
 
     def receive(self, handle: object) -> object:
         """Read the reply of the send that returned `handle` (in send order)."""
         ...
 
+    def reset(self) -> None: ...
+
     def close(self) -> None: ...
 
 
-# (send handle or None, number of events, results to hand on after the reply)
-_Item = tuple[object | None, int, list[JobResult]]
+@dataclass(slots=True)
+class _Step:
+    """One step's publish: what went out (or must), and what follows its reply."""
+
+    events: list[tuple[str, JobEvent]]
+    fences: list[EventFence]  # fences[i] fences events[i]
+    results: list[JobResult]  # handed on once the events are stored
+    handle: object | None  # None: not sent (the publisher thread sends it)
 
 
 class StepPublisher:
-    """`submit(events, results)`: send `events` now, hand `results` on once stored."""
+    """`submit(events, attempts, results)`: send `events` now, hand `results` on once
+    stored."""
 
     def __init__(
         self,
         sender: EventSender,
         on_published: Callable[[JobResult], None],
         *,
-        max_pending_steps: int = 64,
+        max_pending_steps: int = 4096,
     ) -> None:
         self.sender = sender
         self.on_published = on_published
-        # bounded: if Redis stalls, the batcher stalls too instead of buffering forever
-        self._queue: queue.Queue[_Item | None] = queue.Queue(maxsize=max_pending_steps)
+        # bounded: a long Redis outage stalls the batcher rather than filling memory
+        self._queue: queue.Queue[_Step | None] = queue.Queue(maxsize=max_pending_steps)
         self._thread = threading.Thread(target=self._run, name="llmq-step-publisher",
                                         daemon=True)
-        self.num_failed = 0
+        self._lock = threading.Lock()  # guards _direct and the order of queue puts
+        self._direct = True  # False while recovering: the thread sends, in order
+        self._seq: dict[str, int] = {}  # job id -> last sequence number (batcher thread)
+        self._closed = False  # set by close(): nothing more is published
+        self._stopping = threading.Event()
+        self.num_failed = 0  # sends or replies that failed (then re-sent)
+        self.num_resent = 0  # steps re-sent after a failure
 
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, events: list[tuple[str, JobEvent]], results: list[JobResult]) -> None:
-        """From the batcher thread, right after a step."""
-        handle = None
+    @property
+    def recovering(self) -> bool:
+        return not self._direct
+
+    def submit(self, events: list[tuple[str, JobEvent]], attempts: dict[str, int],
+               results: list[JobResult]) -> None:
+        """From the batcher thread, right after a step. `attempts[job_id]` is the claim
+        the job's events belong to."""
+        if self._closed:
+            return
+        fences: list[EventFence] = []
         if events:
             published_at = round(time.time(), 6)
-            for _job_id, event in events:
+            for job_id, event in events:
                 if event.type is EventType.TOKEN:
                     event.ts = published_at
-            try:
-                handle = self.sender.send(events)
-            except Exception:  # live readers lose tokens; rows stay right
-                self.num_failed += 1
-                logger.exception("publishing %d events failed", len(events))
-        if handle is not None or results:
-            self._queue.put((handle, len(events), results))
+                seq = self._seq.get(job_id, 0) + 1
+                self._seq[job_id] = seq
+                fences.append(EventFence(attempts.get(job_id, 0), seq))
+        for result in results:
+            self._seq.pop(result.job_id, None)
+        if not events and not results:
+            return
+        step = _Step(events, fences, results, None)
+        with self._lock:
+            if self._direct and events:
+                try:
+                    step.handle = self.sender.send(events, fences)
+                except Exception as exc:  # the thread re-sends it, and what follows
+                    self.num_failed += 1
+                    self._direct = False
+                    logger.warning("publishing %d events failed (%s); buffering until Redis "
+                                   "answers", len(events), exc)
+            # NOTE: put under the lock: a step queued after the thread found the queue
+            # empty cannot be overtaken by a direct send.
+            self._put(step)
+
+    def forget(self, job_id: str) -> None:
+        """From the batcher thread: `job_id` left without a result (lost, aborted)."""
+        self._seq.pop(job_id, None)
+
+    def close(self) -> None:
+        """Publish nothing more, queued steps included (a tripped group: its jobs are
+        handed back, and a step that wakes up late must not reach their streams)."""
+        self._closed = True
+        self._stopping.set()
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Read the replies still owed and hand their results on, then end the thread."""
-        self._queue.put(None)
+        """Publish what is queued and hand its results on, then end the thread. Gives up
+        re-sending after `timeout` (the rows stay right; the streams miss the tail)."""
+        try:
+            self._queue.put(None, timeout=timeout)
+        except queue.Full:
+            pass
         self._thread.join(timeout)
+        self._stopping.set()  # a thread still re-sending gives up
+        self._thread.join(5.0)
         self.sender.close()
+
+    def _put(self, step: _Step) -> None:
+        while True:
+            try:
+                self._queue.put(step, timeout=1.0)
+                return
+            except queue.Full:
+                if self._stopping.is_set():
+                    return
+                logger.warning("%d steps wait for Redis; the batcher waits too",
+                               self._queue.qsize())
 
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
-            if item is None:
+            step = self._queue.get()
+            if step is None:
                 return
-            handle, num_events, results = item
-            if handle is not None:
-                try:
-                    self.sender.receive(handle)
-                except Exception:  # live readers lose tokens; rows stay right
-                    self.num_failed += 1
-                    logger.exception("publishing %d events failed", num_events)
-            for result in results:
+            if self._closed:
+                continue
+            if step.events and not self._publish(step):
+                return  # stopping gave up on Redis
+            for result in step.results:
                 self.on_published(result)
+            if not self._direct:
+                with self._lock:
+                    if self._queue.empty() and not self._closed:
+                        self._direct = True
+                        logger.info("Redis answers again: buffered events re-sent (%d steps "
+                                    "so far); publishing directly", self.num_resent)
+
+    def _publish(self, step: _Step) -> bool:
+        """Make sure `step.events` are stored; False if stopped before they were."""
+        if step.handle is not None:
+            try:
+                self.sender.receive(step.handle)
+                return True
+            except Exception as exc:
+                self.num_failed += 1
+                with self._lock:
+                    self._direct = False
+                logger.warning("publishing %d events failed (%s); re-sending", len(step.events),
+                               exc)
+        backoff = RETRY_MIN_SECONDS
+        while not self._stopping.is_set():
+            try:
+                self.sender.reset()
+                handle = self.sender.send(step.events, step.fences)
+                self.sender.receive(handle)
+                self.num_resent += 1
+                return True
+            except Exception as exc:
+                self.num_failed += 1
+                logger.warning("Redis unavailable (%s); retrying %d events in %.1fs",
+                               exc, len(step.events), backoff)
+                self._stopping.wait(backoff)
+                backoff = min(RETRY_MAX_SECONDS, backoff * 2)
+        logger.error("stopped with %d events unpublished", len(step.events))
+        return False

@@ -25,6 +25,7 @@ import queue
 import select
 import threading
 import time
+from collections.abc import Callable
 from enum import Enum
 from typing import Any, Protocol
 
@@ -69,7 +70,7 @@ _TERMINAL_TYPES = (b"done", b"error", b"cancelled")
 class Listener:
     """One reader's view of one channel."""
 
-    __slots__ = ("channel", "dropping", "last", "lock", "queue", "sink", "subscribed")
+    __slots__ = ("channel", "dropping", "last", "lock", "queue", "sink", "subscribed", "wake")
 
     def __init__(self, channel: bytes) -> None:
         self.channel = channel
@@ -82,6 +83,15 @@ class Listener:
         self.lock = threading.Lock()
         self.sink: Sink | None = None
         self.last: tuple[int, int] = (0, 0)
+        # called (from the hub thread) after every item put in `queue`: a reader that
+        # parks instead of blocking on the queue is woken this way (webapp/stream_server.py)
+        self.wake: Callable[[], None] | None = None
+
+    def put(self, item: Any) -> None:
+        self.queue.put(item)
+        wake = self.wake
+        if wake is not None:
+            wake()
 
     def take_gap(self) -> None:
         """The reader took GAP: queue messages again (it re-reads the stream next)."""
@@ -129,6 +139,11 @@ class LiveHub:
             elif len(listeners) == 1:
                 self._send_locked("SUBSCRIBE", listener.channel)
         return listener
+
+    def num_listeners(self) -> int:
+        """Readers registered in this process (each open event stream holds one)."""
+        with self._lock:
+            return sum(len(listeners) for listeners in self._channels.values())
 
     def leave(self, listener: Listener) -> None:
         with self._lock:
@@ -257,23 +272,23 @@ class LiveHub:
                     terminal = event_type in _TERMINAL_TYPES
                     if delivery is Delivery.PARTIAL:
                         listener.sink = None
-                        listener.queue.put(SINK_FELL_SHORT_AT_END if terminal
-                                           else SINK_FELL_SHORT)
+                        listener.put(SINK_FELL_SHORT_AT_END if terminal
+                                     else SINK_FELL_SHORT)
                     elif terminal:
                         listener.sink = None
-                        listener.queue.put(SINK_ENDED)
+                        listener.put(SINK_ENDED)
                     return
                 listener.sink = None  # refused: the reader writes this one itself
             if listener.dropping:
                 return
             if listener.queue.qsize() >= MAX_QUEUED:
                 listener.dropping = True
-                listener.queue.put(GAP)
+                listener.put(GAP)
                 logger.warning("live events: a reader of %s is %d messages behind; it "
                                "catches up from the stream", listener.channel.decode(),
                                MAX_QUEUED)
                 return
-            listener.queue.put(payload)
+            listener.put(payload)
 
     def _mark_gap(self) -> None:
         with self._lock:
@@ -286,7 +301,7 @@ class LiveHub:
                     # NOTE: no direct delivery until the reader has caught up: an event
                     # delivered now would jump ahead of the ones the gap lost
                     listener.stop_direct()
-                    listener.queue.put(GAP)
+                    listener.put(GAP)
 
     # -- helpers (caller holds _lock) ------------------------------------------------------
 

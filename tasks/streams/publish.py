@@ -8,12 +8,13 @@ them back.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import redis
 from redis import Redis
 
-from tasks.protocol import JobEvent, events_key, live_channel
+from tasks.protocol import EventType, JobEvent, events_key, live_channel
 from tasks.redis_client import as_text, dedicated_connection
 from tasks.settings import Settings
 
@@ -21,14 +22,30 @@ from tasks.settings import Settings
 # and on a terminal event start the stream's expiry. One script call for ALL the events
 # of a publish, so the published message carries the id the server assigned and a whole
 # batcher step is one round trip.
-# KEYS[i]: the i-th event's stream. ARGV[1]: the events as records separated by \x1e, each
-# "channel \x1f type \x1f data \x1f ttl seconds" (0: leave the stream as is).
+#
+# FENCING. Each job has a fence hash next to its stream: `a` the newest attempt seen, `s`
+# the last sequence number stored for it, `t` set once a terminal event is stored. An
+# event is dropped (its reply is nil) when
+#   * the job already has its terminal event (nothing ever follows `done`),
+#   * it belongs to an older attempt than one already seen (a restart event announces the
+#     new attempt: a worker that lost its lease during a Postgres outage cannot append
+#     its stale tokens after beat's `restart`),
+#   * its sequence number is not above the last one stored (a send retried after an
+#     outage, whose first try may have been stored, is stored once).
+# Attempt 0 and sequence 0 mean "not fenced" (maintenance, hand-written events).
+#
+# KEYS[i]: the i-th event's stream, KEYS[n + i] its fence. ARGV[1]: the events as
+# records separated by \x1e, each "channel \x1f type \x1f data \x1f ttl \x1f attempt
+# \x1f seq" (ttl 0: leave the stream as is). ARGV[2]: the fence's TTL in seconds.
 # NOTE: packed into one argument because packing hundreds of arguments costs the worker
 # more Python time than the script costs Redis. The separators cannot occur in a record:
 # `data` is json.dumps output (control characters escaped), the rest are names we make.
 _RECORD_SEP, _UNIT_SEP = "\x1e", "\x1f"
 _PUBLISH_LUA = """
 local packed = ARGV[1]
+local fence_ttl = tonumber(ARGV[2])
+local n = #KEYS / 2
+local fences = {}
 local ids = {}
 local pos, i = 1, 0
 while pos <= #packed do
@@ -39,17 +56,64 @@ while pos <= #packed do
   local a = string.find(rec, '\\31', 1, true)
   local b = string.find(rec, '\\31', a + 1, true)
   local c = string.find(rec, '\\31', b + 1, true)
+  local d = string.find(rec, '\\31', c + 1, true)
+  local e = string.find(rec, '\\31', d + 1, true)
   local channel = string.sub(rec, 1, a - 1)
   local typ = string.sub(rec, a + 1, b - 1)
   local data = string.sub(rec, b + 1, c - 1)
-  local ttl = tonumber(string.sub(rec, c + 1))
-  local id = redis.call('XADD', KEYS[i], '*', 'type', typ, 'data', data)
-  redis.call('PUBLISH', channel, id .. ' ' .. typ .. ' ' .. data)
-  if ttl > 0 then redis.call('EXPIRE', KEYS[i], ttl) end
-  ids[i] = id
+  local ttl = tonumber(string.sub(rec, c + 1, d - 1))
+  local attempt = tonumber(string.sub(rec, d + 1, e - 1))
+  local seq = tonumber(string.sub(rec, e + 1))
+  local fkey = KEYS[n + i]
+  local f = fences[fkey]
+  if not f then
+    local v = redis.call('HMGET', fkey, 'a', 's', 't')
+    f = {a = tonumber(v[1]) or 0, s = tonumber(v[2]) or 0, t = tonumber(v[3]) or 0,
+         new = not v[1], dirty = false}
+    fences[fkey] = f
+  end
+  local ok = f.t == 0
+  if ok and attempt > 0 then
+    if attempt < f.a then ok = false
+    elseif attempt > f.a then f.a = attempt; f.s = 0; f.dirty = true end
+  end
+  if ok and seq > 0 then
+    if seq <= f.s then ok = false else f.s = seq; f.dirty = true end
+  end
+  if ok then
+    if typ == 'restart' then f.s = 0; f.dirty = true end
+    local id = redis.call('XADD', KEYS[i], '*', 'type', typ, 'data', data)
+    redis.call('PUBLISH', channel, id .. ' ' .. typ .. ' ' .. data)
+    if ttl > 0 then
+      redis.call('EXPIRE', KEYS[i], ttl)
+      f.t = 1; f.dirty = true; f.ttl = ttl
+    end
+    ids[i] = id
+  else
+    ids[i] = false
+  end
+end
+for fkey, f in pairs(fences) do
+  if f.dirty then
+    redis.call('HSET', fkey, 'a', f.a, 's', f.s, 't', f.t)
+    if f.new or f.ttl then redis.call('EXPIRE', fkey, f.ttl or fence_ttl) end
+  end
 end
 return ids
 """
+
+
+def fence_key(settings: Settings, job_id: str) -> str:
+    """The hash fencing a job's stream (see above); it expires with the stream."""
+    return settings.key("job", job_id, "fence")
+
+
+@dataclass(slots=True)
+class EventFence:
+    """Which attempt of a job an event belongs to and its place in that attempt."""
+
+    attempt: int  # jobs.attempts of the claim that produced it; 0: not fenced
+    seq: int  # 1, 2, ... per job and attempt, in publish order; 0: not deduplicated
 
 
 class EventPublisher:
@@ -60,33 +124,43 @@ class EventPublisher:
         self._settings = settings
         self._script = redis.register_script(_PUBLISH_LUA)
 
-    def publish(self, events: list[tuple[str, JobEvent]]) -> list[str]:
-        """Publish `(job_id, event)` pairs in one round trip; returns their stream entry ids.
+    def publish(self, events: list[tuple[str, JobEvent]],
+                fences: list[EventFence] | None = None) -> list[str | None]:
+        """Publish `(job_id, event)` pairs in one round trip; returns their stream entry ids
+        (None for an event the job's fence dropped).
 
         Events of one job keep their order. A terminal event sets the stream's TTL to
-        `settings.stream_ttl_seconds`.
+        `settings.stream_ttl_seconds`. `fences[i]` fences `events[i]` (see above).
         """
         if not events:
             return []
-        keys, packed = self._encode(events)
-        entry_ids = self._script(keys=keys, args=[packed])
-        return [as_text(entry_id) for entry_id in entry_ids]
+        keys, packed = self._encode(events, fences)
+        entry_ids = self._script(keys=keys, args=[packed, self._settings.stream_ttl_seconds])
+        return _entry_ids(entry_ids)
 
     def sender(self) -> PipelinedSender:
         """A sender on its own connection, for a thread that must not wait for replies."""
         return PipelinedSender(self)
 
-    def _encode(self, events: list[tuple[str, JobEvent]]) -> tuple[list[str], str]:
+    def _encode(self, events: list[tuple[str, JobEvent]],
+                fences: list[EventFence] | None = None) -> tuple[list[str], str]:
+        settings = self._settings
         keys: list[str] = []
+        fence_keys: list[str] = []
         records: list[str] = []
-        for job_id, event in events:
+        for i, (job_id, event) in enumerate(events):
             fields = event.to_fields()
-            ttl = self._settings.stream_ttl_seconds if event.type.is_terminal else 0
-            keys.append(events_key(self._settings, job_id))
+            ttl = settings.stream_ttl_seconds if event.type.is_terminal else 0
+            attempt, seq = (fences[i].attempt, fences[i].seq) if fences is not None else (0, 0)
+            if event.type is EventType.RESTART and event.attempt:
+                attempt = event.attempt  # announces the attempt that follows
+            keys.append(events_key(settings, job_id))
+            fence_keys.append(fence_key(settings, job_id))
             records.append(_UNIT_SEP.join(
-                (live_channel(self._settings, job_id), fields["type"], fields["data"], str(ttl))
+                (live_channel(settings, job_id), fields["type"], fields["data"], str(ttl),
+                 str(attempt), str(seq))
             ))
-        return keys, _RECORD_SEP.join(records)
+        return keys + fence_keys, _RECORD_SEP.join(records)
 
 
 class PipelinedSender:
@@ -96,18 +170,34 @@ class PipelinedSender:
     The batcher sends a step's events the moment the step ends, so they leave without
     waiting for a publisher thread to get the GIL; the thread that reads the replies
     then hands the step's results on. One connection, pipelined: replies come in order.
+
+    NOTE (order across a failure): once a send or a reply fails, the sender is BROKEN and
+    every `send` raises `SenderBroken` until `reset()`. Sends already on the dead
+    connection fail on `receive`; without the latch a send made between the failure and
+    the owner noticing it would go out on a new connection ahead of the ones the owner
+    must re-send. The owner re-sends in order, then resets.
     """
 
     def __init__(self, publisher: EventPublisher) -> None:
         self._publisher = publisher
         self._lock = threading.Lock()
         self._conn: Any = None
+        self._broken = False
 
-    def send(self, events: list[tuple[str, JobEvent]]) -> Any:
+    def reset(self) -> None:
+        """Allow sends again (the owner re-sends what failed, in order, from here)."""
+        with self._lock:
+            self._broken = False
+
+    def send(self, events: list[tuple[str, JobEvent]],
+             fences: list[EventFence] | None = None) -> Any:
         """Send one EVAL for `events`; returns the handle `receive` takes. Raises on a
         broken connection (the next send opens a new one)."""
-        keys, packed = self._publisher._encode(events)
+        keys, packed = self._publisher._encode(events, fences)
+        fence_ttl = self._publisher._settings.stream_ttl_seconds
         with self._lock:
+            if self._broken:
+                raise SenderBroken("an earlier publish failed; the owner re-sends first")
             conn = self._conn
             if conn is None:
                 conn = dedicated_connection(self._publisher._redis)
@@ -115,14 +205,15 @@ class PipelinedSender:
             try:
                 # NOTE: EVAL, not EVALSHA: no NOSCRIPT retry is possible once the reply is
                 # another thread's to read, and Redis caches the compiled script anyway.
-                conn.send_command("EVAL", _PUBLISH_LUA, len(keys), *keys, packed)
+                conn.send_command("EVAL", _PUBLISH_LUA, len(keys), *keys, packed, fence_ttl)
             except BaseException:
                 self._drop(conn)
                 raise
         return conn
 
-    def receive(self, handle: Any) -> list[str]:
-        """The entry ids of the send that returned `handle`; raises if it failed."""
+    def receive(self, handle: Any) -> list[str | None]:
+        """The entry ids of the send that returned `handle` (None: fenced off); raises if
+        it failed."""
         try:
             reply = handle.read_response()
         except redis.ResponseError:
@@ -131,7 +222,7 @@ class PipelinedSender:
             with self._lock:
                 self._drop(handle)
             raise
-        return [as_text(entry_id) for entry_id in reply]
+        return _entry_ids(reply)
 
     def close(self) -> None:
         with self._lock:
@@ -140,6 +231,15 @@ class PipelinedSender:
 
     def _drop(self, conn: Any) -> None:
         """Caller holds _lock. Replies still owed on `conn` are lost: it is closed."""
+        self._broken = True
         if self._conn is conn:
             self._conn = None
         conn.disconnect()
+
+
+class SenderBroken(redis.ConnectionError):
+    """A `PipelinedSender` refuses sends until its owner resets it after a failure."""
+
+
+def _entry_ids(reply: list[Any]) -> list[str | None]:
+    return [None if entry_id is None else as_text(entry_id) for entry_id in reply]

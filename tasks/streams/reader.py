@@ -27,6 +27,7 @@ from tasks.streams.live_hub import (
     SINK_ENDED,
     SINK_FELL_SHORT,
     SINK_FELL_SHORT_AT_END,
+    Listener,
     LiveHub,
     Sink,
 )
@@ -62,6 +63,16 @@ class StreamEntry:
         return JobEvent.from_fields({"type": self.type.value, "data": self.data})
 
 
+@dataclass(slots=True, frozen=True)
+class Park:
+    """Yielded by a cooperative reader instead of blocking: nothing to do until the
+    listener's queue gets an item (its `wake` is called) or `deadline` passes (a
+    `time.monotonic()` instant). Resume the generator then; resuming early is harmless."""
+
+    listener: Listener
+    deadline: float
+
+
 class EventSubscriber:
     """Reads a job's events: the stored log, or the log followed by live events.
 
@@ -76,6 +87,10 @@ class EventSubscriber:
 
     def close(self) -> None:
         self._hub.close()
+
+    def num_listening(self) -> int:
+        """Readers of live events in this process: one per open event stream."""
+        return self._hub.num_listeners()
 
     def read_entries(self, job_id: str, after_id: str | None = None) -> list[StreamEntry]:
         """The job's stored events after `after_id` (all when None), oldest first."""
@@ -93,10 +108,15 @@ class EventSubscriber:
         job_id: str,
         last_id: str | None = None,
         heartbeat_seconds: float | None = None,
-    ) -> Iterator[tuple[str, JobEvent] | None]:
-        """`iter_entries`, parsed: `(entry_id, event)` or `None` (heartbeat tick)."""
-        for entry in self.iter_entries(job_id, last_id, heartbeat_seconds):
-            yield None if entry is None else (entry.entry_id, entry.event())
+        cooperative: bool = False,
+    ) -> Iterator[tuple[str, JobEvent] | Park | None]:
+        """`iter_entries`, parsed: `(entry_id, event)`, `None` (heartbeat tick) or `Park`."""
+        for entry in self.iter_entries(job_id, last_id, heartbeat_seconds,
+                                       cooperative=cooperative):
+            if entry is None or isinstance(entry, Park):
+                yield entry
+            else:
+                yield entry.entry_id, entry.event()
 
     def iter_entries(
         self,
@@ -104,7 +124,8 @@ class EventSubscriber:
         last_id: str | None = None,
         heartbeat_seconds: float | None = None,
         sink: Sink | None = None,
-    ) -> Iterator[StreamEntry | None]:
+        cooperative: bool = False,
+    ) -> Iterator[StreamEntry | Park | None]:
         """Yield the entries after `last_id` until (and including) a terminal one.
 
         Yields `None` as a heartbeat tick whenever nothing arrived for `heartbeat_seconds`
@@ -113,6 +134,9 @@ class EventSubscriber:
         of being yielded, whenever nothing else is pending (see tasks/streams/live_hub.py); the
         generator then ends when the sink got the terminal event. Close the generator to
         stop listening early.
+
+        `cooperative`: never wait for live events in the generator; yield a `Park` instead
+        and expect to be resumed (one thread can then drive thousands of streams).
         """
         last = parse_stream_id(last_id) if last_id else _START
         idle_limit = heartbeat_seconds if heartbeat_seconds else _IDLE_CATCH_UP_SECONDS
@@ -146,8 +170,13 @@ class EventSubscriber:
                             yield None
                         break
                     try:
-                        item = listener.queue.get(timeout=remaining)
+                        if cooperative:
+                            item = listener.queue.get_nowait()
+                        else:
+                            item = listener.queue.get(timeout=remaining)
                     except queue.Empty:
+                        if cooperative:
+                            yield Park(listener, time.monotonic() + remaining)
                         continue
                     if item is SINK_ENDED:
                         return

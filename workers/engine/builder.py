@@ -7,11 +7,14 @@ model code load here, not when `workers.engine.core` is imported.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence as SequenceABC
 from typing import Any
 
 from workers.engine.config import EngineConfig
 from workers.engine.core import Engine
+
+logger = logging.getLogger(__name__)
 
 
 def build_engine(
@@ -84,6 +87,20 @@ def _with_runner(runner: Any, checkpoint: Any, config: EngineConfig,
                 f"length {checkpoint.max_model_len}; lower max_model_len"
             )
         max_model_len = config.max_model_len
+    capacity = runner.num_blocks * config.block_size
+    if max_model_len > capacity:
+        # NOTE: a sequence longer than the whole KV cache could never be scheduled; such a
+        # request would be accepted and then fail in the worker. Clamp, as vLLM does.
+        if config.max_model_len is not None:
+            raise ValueError(
+                f"max_model_len {max_model_len} needs more KV cache than the device has "
+                f"({runner.num_blocks} blocks of {config.block_size} tokens = {capacity} "
+                "tokens): lower max_model_len or give the KV cache more memory "
+                "(kv_cache_bytes / LLMQ_KV_CACHE_BYTES)")
+        logger.warning("the KV cache holds %d tokens, fewer than the model's context length "
+                       "%d: serving max_model_len %d (give the cache more memory to serve "
+                       "the full context)", capacity, max_model_len, capacity)
+        max_model_len = capacity
     connector = None
     if kv_tiers:
         from workers.engine.tier_connector import TierConnector

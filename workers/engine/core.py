@@ -23,8 +23,12 @@ from workers.engine.step_io import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
     from workers.engine.kv_connector import KVConnector
+    from workers.engine.structured import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
+
+# how long an idle step waits for a grammar compile (nothing else could run)
+IDLE_GRAMMAR_WAIT_SECONDS = 0.01
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "PromptTooLongError"]
 
@@ -90,12 +94,20 @@ class Engine:
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self._num_steps = 0
+        self.num_failed_steps = 0  # model steps that raised
+        # failed steps since the last one that succeeded: a device that fails every step
+        # (the service's circuit breaker reads it)
+        self.num_consecutive_failed_steps = 0
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
+        # structured outputs: built with the first constrained request
+        self._structured: StructuredOutputManager | None = None
 
     def close(self, timeout: float | None = 10.0) -> None:
         """Release what outlives a step: write queued KV blocks to the tiers and close them;
-        stop a tensor-parallel runner's rank processes."""
+        stop a tensor-parallel runner's rank processes and the grammar compile thread."""
+        if self._structured is not None:
+            self._structured.close()
         if self.kv_connector is not None:
             self.kv_connector.close(timeout)
         shutdown = getattr(self.runner, "shutdown", None)
@@ -162,8 +174,11 @@ class Engine:
         Raises InvalidParamError (tasks.params) for parameters outside what the model and
         the sampler take (the same check the API runs: nothing admitted here can make a
         batched step raise), PromptTooLongError when prompt + max_tokens exceeds
-        max_model_len, and ValueError for an empty prompt, a request the KV cache can
-        never hold, or a request id already in use.
+        max_model_len, InvalidStructuredOutputsError (tasks.structured, a ValueError)
+        for a JSON schema, regex or grammar the grammar backend cannot parse, and
+        ValueError for an empty prompt, a request the KV cache can never hold, or a
+        request id already in use. A constraint that parses but does not compile fails
+        its request alone (an ERROR delta from a later step).
         """
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use; use a unique id")
@@ -180,6 +195,9 @@ class Engine:
                 f"max_tokens {params.max_tokens}) but the cache has {self.num_blocks}; "
                 "lower max_tokens or give the KV cache more memory (kv_cache_bytes)"
             )
+        spec = params.structured_outputs
+        if spec is not None:
+            self.structured.check(spec)
         arrival = next(self._arrivals)
         sample_params = [_params_for_sample(params, index) for index in range(params.n)]
         seqs = [
@@ -197,6 +215,8 @@ class Engine:
             )
             for index in range(params.n)
         ]
+        if spec is not None:
+            self.structured.add(seqs, spec)
         self._requests[request_id] = _Request(request_id, prompt_token_ids, params, seqs)
         self.scheduler.add_seqs(seqs)
         self._prompt_tokens_total += num_prompt
@@ -212,6 +232,18 @@ class Engine:
         if not token_ids:
             raise ValueError("prompt is empty: give at least one token")
         return token_ids
+
+    @property
+    def structured(self) -> StructuredOutputManager:
+        """The structured-output manager (grammar compiles, bitmasks, matchers)."""
+        if self._structured is None:
+            from workers.engine.structured import StructuredOutputManager
+            from workers.engine.structured.backend import XgrammarBackend
+
+            vocab_size = self._vocab_size() or len(self.tokenizer)
+            self._structured = StructuredOutputManager(
+                XgrammarBackend(self.tokenizer, vocab_size, self.eos_token_ids))
+        return self._structured
 
     def _vocab_size(self) -> int | None:
         """The model's vocabulary (embedding rows); None for runners that do not say
@@ -234,19 +266,105 @@ class Engine:
         """Run one batched model step; one delta per sample that produced tokens or ended."""
         if not self.scheduler.has_unfinished_seqs():
             return []
+        structured = self._structured
+        failed = self._fail_uncompiled_grammars() if structured is not None else []
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.scheduled:
-            runner_output = self.runner.execute(scheduler_output)
+            try:
+                if structured is not None:
+                    structured.fill_bitmask(scheduler_output, self.scheduler.seqs)
+                runner_output = self.runner.execute(scheduler_output)
+            except Exception as exc:
+                return failed + self._step_failed(scheduler_output, exc)
         else:
+            if structured is not None and structured.num_pending:
+                structured.wait_for_compiles(IDLE_GRAMMAR_WAIT_SECONDS)
             runner_output = ModelRunnerOutput(seq_ids=[], sampled_token_ids=[], logprobs=[])
+        self.num_consecutive_failed_steps = 0
         sampled = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._num_steps += 1
         self._generation_tokens_total += len(sampled)
-        deltas = [self._process_token(seq) for seq in sampled]
+        if structured is not None:
+            # NOTE: only here, after a step that succeeded, do the matchers move
+            sampled, failed_now = self._advance_grammars(structured, sampled)
+            failed += failed_now
+        deltas = failed + [self._process_token(seq) for seq in sampled]
         for seq in sampled:
             if seq.is_finished:
                 self._retire_if_done(seq.request_id)
         return deltas
+
+    def _step_failed(self, scheduler_output: SchedulerOutput,
+                     exc: Exception) -> list[CompletionDelta]:
+        """Isolate a step that raised: fail only the request that makes it fail (the
+        scheduler finds it by running the step's sequences alone), never its companions.
+        Returns the ERROR deltas of the culprits (none while the search goes on)."""
+        self.num_failed_steps += 1
+        self.num_consecutive_failed_steps += 1
+        reason = f"the model step failed for this request: {type(exc).__name__}: {exc}"
+        culprits = self.scheduler.step_failed(scheduler_output)
+        if not culprits:
+            logger.warning("model step failed (%s: %s); isolating its %d sequences",
+                           type(exc).__name__, exc, len(scheduler_output.scheduled))
+            return []
+        deltas: list[CompletionDelta] = []
+        for request_id in dict.fromkeys(seq.request_id for seq in culprits):
+            if request_id in self._requests:
+                logger.error("request %s failed a model step on its own: %s: %s", request_id,
+                             type(exc).__name__, exc, exc_info=exc)
+            deltas += self._fail_request(request_id, reason)
+        return deltas
+
+    def _fail_request(self, request_id: str, reason: str) -> list[CompletionDelta]:
+        """End a request alone with FINISHED_ERROR: one ERROR delta (carrying `reason`)
+        per unfinished sample; [] when the request is gone already."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return []
+        unfinished = [seq for seq in request.seqs if not seq.is_finished]
+        self.scheduler.finish_seqs(unfinished, SequenceStatus.FINISHED_ERROR)
+        deltas = []
+        for seq in unfinished:
+            delta = self._delta(seq, [], "", None)
+            delta.error = reason
+            deltas.append(delta)
+        return deltas
+
+    def _fail_uncompiled_grammars(self) -> list[CompletionDelta]:
+        """Fail, each alone, the requests whose structured-output grammar did not compile."""
+        assert self._structured is not None
+        deltas: list[CompletionDelta] = []
+        for seq in self._structured.take_failed():
+            grammar = seq.grammar
+            reason = grammar.error if grammar is not None else None
+            logger.warning("request %s: its grammar did not compile: %s", seq.request_id,
+                           reason)
+            deltas += self._fail_request(seq.request_id, reason or "the grammar did not compile")
+        return deltas
+
+    def _advance_grammars(
+        self, structured: StructuredOutputManager, sampled: list[Sequence]
+    ) -> tuple[list[Sequence], list[CompletionDelta]]:
+        """Feed the step's tokens to the constrained sequences' matchers: a complete
+        grammar ends its sequence with `stop`; a token the grammar refuses (a sampler
+        bug, or every allowed token masked, e.g. EOS by min_tokens) fails its request.
+        Returns the sampled sequences still to report, and the ERROR deltas."""
+        terminated, rejected = structured.advance(sampled)
+        unfinished = [seq for seq in terminated if not seq.is_finished]
+        if unfinished:
+            self.scheduler.finish_seqs(unfinished, SequenceStatus.FINISHED_STOPPED)
+        if not rejected:
+            return sampled, []
+        deltas: list[CompletionDelta] = []
+        for seq in rejected:
+            token_id = seq.output_token_ids[-1]
+            logger.error("request %s: token %d is outside its grammar", seq.request_id,
+                         token_id)
+            deltas += self._fail_request(
+                seq.request_id, f"the sampled token {token_id} is outside the request's "
+                "structured_outputs grammar (is min_tokens masking the only allowed end?)")
+        failed_ids = {seq.request_id for seq in rejected}
+        return [seq for seq in sampled if seq.request_id not in failed_ids], deltas
 
     def _process_token(self, seq: Sequence) -> CompletionDelta:
         token_id = seq.output_token_ids[-1]

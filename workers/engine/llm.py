@@ -5,6 +5,12 @@
     outputs = llm.generate(["Hello", "The river"], SamplingParams(max_tokens=32))
     print(outputs[0].text)
 
+    # constrained decoding: a JSON schema (or regex=, choice=[...], grammar=, json_object=True)
+    from workers import StructuredOutputs
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}}
+    llm.generate(["Describe a person"], SamplingParams(
+        max_tokens=64, structured_outputs=StructuredOutputs(json=schema)))
+
 All prompts go into one engine at once; continuous batching runs them together.
 """
 
@@ -35,6 +41,7 @@ class CompletionOutput:
     finish_reason: FinishReason | None
     logprobs: list[TokenLogprobs] | None  # one per token when params.logprobs is set
     stop_reason: str | int | None = None
+    error: str | None = None  # why, when finish_reason is ERROR
 
 
 @dataclass(slots=True)
@@ -170,6 +177,7 @@ class LLM:
                     if delta.finished:
                         out.finish_reason = delta.finish_reason
                         out.stop_reason = delta.stop_reason
+                        out.error = delta.error
         except BaseException:
             for request_id in order:  # leave the engine clean for the next call
                 self.engine.abort_request(request_id)

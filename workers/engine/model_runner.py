@@ -97,7 +97,8 @@ class ModelRunner:
 
                 self._sample = sample
             token_ids, logprobs = self._sample(logits, seqs,
-                                               eos_token_ids=self.loaded.eos_token_ids)
+                                               eos_token_ids=self.loaded.eos_token_ids,
+                                               grammar_bitmask=out.grammar_bitmask)
         return ModelRunnerOutput(seq_ids=[s.seq_id for s in seqs],
                                  sampled_token_ids=token_ids, logprobs=logprobs)
 

@@ -30,4 +30,5 @@ class CompletionDelta:
     num_output_tokens: int  # total so far
     num_cached_tokens: int  # prompt tokens served from the prefix cache (device or tier)
     stop_reason: str | int | None = None  # the stop string or token id that ended it
+    error: str | None = None  # why, when finish_reason is ERROR
     extra: dict[str, float] = field(default_factory=dict)

@@ -6,6 +6,8 @@
    prompt and output tokens), then presence and frequency (OpenAI: over output tokens);
 2. `min_tokens`: while a sequence has fewer output tokens than that, its stop token ids and
    (unless `ignore_eos`, in which case EOS never stops it anyway) the EOS ids are masked;
+   structured outputs: a constrained row's tokens outside its grammar bitmask
+   (`SchedulerOutput.grammar_bitmask`) are masked too;
 3. greedy rows (temperature 0) take the argmax; the others are divided by their
    temperature, filtered by min-p, top-k and top-p, and sampled by inverse CDF: one
    uniform u per row picks the first token whose cumulative probability exceeds u.
@@ -40,7 +42,7 @@ import torch
 
 import kernels
 from kernels.sampling import mask_tokens, num_nucleus_candidates
-from workers.engine.step_io import ScheduledSequence, TokenLogprobs
+from workers.engine.step_io import GrammarBitmask, ScheduledSequence, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +73,10 @@ class SamplingMetadata:
     # still short of their min_tokens.
     masked_rows: list[int]
     masked_token_ids: list[int]
+    # Structured outputs: the rows constrained by a grammar, and their allowed tokens
+    # (bit j of word w allows token 32 * w + j); None when no row is constrained.
+    bitmask_rows: list[int]
+    bitmask: torch.Tensor | None  # [len(bitmask_rows), ceil(vocab / 32)] int32
     # Rows drawn at random (temperature >= _MIN_TEMPERATURE), in row order; the others
     # take the argmax. Every tensor below has one row per entry of random_rows.
     random_rows: list[int]
@@ -92,11 +98,13 @@ def sample(
     logits: torch.Tensor,
     seqs: list[ScheduledSequence],
     eos_token_ids: list[int] | None = None,
+    grammar_bitmask: GrammarBitmask | None = None,
 ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """Sample one token per row of `logits` ([len(seqs), vocab], float32).
 
     Row i belongs to `seqs[i]` (its params, prompt and output token ids). `eos_token_ids`
-    are masked for rows still short of `params.min_tokens`. Returns the sampled token ids
+    are masked for rows still short of `params.min_tokens`; the rows of the sequences in
+    `grammar_bitmask` sample only the tokens their bitmask allows. Returns the sampled token ids
     and, per row, its `TokenLogprobs` or None when the row did not ask for logprobs.
     `logits` is never modified.
     """
@@ -107,7 +115,7 @@ def sample(
     if not seqs:
         return [], []
     metadata = build_sampling_metadata(seqs, eos_token_ids or [], logits.shape[1],
-                                       logits.device)
+                                       logits.device, grammar_bitmask)
     return sample_with_metadata(logits, metadata)
 
 
@@ -116,6 +124,7 @@ def build_sampling_metadata(
     eos_token_ids: list[int],
     vocab_size: int,
     device: torch.device,
+    grammar_bitmask: GrammarBitmask | None = None,
 ) -> SamplingMetadata:
     """Read every row's params and token lists once into the step's `SamplingMetadata`.
 
@@ -175,6 +184,7 @@ def build_sampling_metadata(
         top_p_t = torch.tensor(top_p, device=device).unsqueeze(1)
     repetition_keys, repetition_penalties, count_keys, presence_frequency = (
         _penalty_inputs(seqs, vocab_size, device))
+    bitmask_rows, bitmask = _bitmask_inputs(seqs, grammar_bitmask, device)
     return SamplingMetadata(
         num_rows=len(seqs),
         repetition_keys=repetition_keys,
@@ -183,6 +193,8 @@ def build_sampling_metadata(
         presence_frequency=presence_frequency,
         masked_rows=masked_rows,
         masked_token_ids=masked_token_ids,
+        bitmask_rows=bitmask_rows,
+        bitmask=bitmask,
         random_rows=random_rows,
         temperatures=temperatures_t,
         min_p=min_p_t,
@@ -209,6 +221,10 @@ def sample_with_metadata(
         if scores is logits:
             scores = scores.clone()
         mask_tokens(scores, m.masked_rows, m.masked_token_ids)
+    if m.bitmask is not None:
+        if scores is logits:
+            scores = scores.clone()
+        kernels.apply_token_bitmask(scores, m.bitmask, m.bitmask_rows)
 
     if not m.random_rows:
         token_ids = kernels.greedy_sample(scores)
@@ -257,6 +273,18 @@ def _penalty_inputs(
             device=device,
         )
     return repetition_keys, repetition_penalties, count_keys, presence_frequency
+
+
+def _bitmask_inputs(
+    seqs: list[ScheduledSequence], grammar_bitmask: GrammarBitmask | None,
+    device: torch.device,
+) -> tuple[list[int], torch.Tensor | None]:
+    """(bitmask_rows, bitmask) of `SamplingMetadata`: each bitmask row's logits row."""
+    if grammar_bitmask is None or not grammar_bitmask.seq_ids:
+        return [], None
+    row_of = {seq.seq_id: i for i, seq in enumerate(seqs)}
+    rows = [row_of[seq_id] for seq_id in grammar_bitmask.seq_ids]
+    return rows, torch.from_numpy(grammar_bitmask.bitmask).to(device)
 
 
 def _flat_keys(rows: list[int], token_lists: list[list[int]], vocab_size: int,

@@ -17,11 +17,17 @@ then the other samples join the waiting queue and take the prompt's full blocks 
 prefix cache (each recomputes only the partial last block). Without prefix caching they
 compute the prompt themselves, which is correct, only slower.
 
+A step whose forward pass raised (`step_failed`): the KV it was to write never becomes
+findable, and `StepIsolation` (workers/engine/step_isolation.py) finds the request that
+fails it by running the step's sequences alone; only that request fails.
+
 KV storage below the device (tiers) is an optional `KVConnector`
 (workers/engine/kv_connector.py): the scheduler asks it how many tokens it can supply
 after the device hit and tells it what it allocated and which sequences ended. A
-sequence whose lookup is in flight waits in `WAITING_FOR_REMOTE_KVS`, skipped without
-holding back the sequences behind it, until the connector names it finished.
+sequence whose lookup is in flight waits (`PendingLookups`, workers/engine/pending_lookups.py)
+without holding back the sequences behind it.
+A sequence whose structured-output grammar compiles waits in `WAITING_FOR_GRAMMAR`,
+skipped the same way until its grammar is ready.
 """
 
 from __future__ import annotations
@@ -32,8 +38,10 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from kvcache.kv_cache_manager import KVCacheManager
+from workers.engine.pending_lookups import PendingLookups
 from workers.engine.sequence import Sequence, SequenceStatus
 from workers.engine.step_io import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
+from workers.engine.step_isolation import StepIsolation
 
 if TYPE_CHECKING:
     from workers.engine.kv_connector import KVConnector
@@ -76,13 +84,8 @@ class Scheduler:
         self.deferred: dict[int, list[Sequence]] = {}
         self.seqs: dict[int, Sequence] = {}  # every unfinished sequence by seq_id
         self.num_preemptions = 0
-        # waiting sequences whose connector lookup is in flight; each holds a seat of
-        # max_num_seqs, so lookups run only for sequences about to be admitted (their
-        # payloads wait in host memory, and a device hit that grows meanwhile wastes them)
-        self.num_waiting_for_kvs = 0
-        # seq_id -> device-hit tokens held (blocks referenced) while its lookup is in
-        # flight: the blocks the tiers continue must not be evicted meanwhile
-        self._held_hits: dict[int, int] = {}
+        self.lookups = PendingLookups(kv_manager)  # waiting on the connector's lookups
+        self.isolation = StepIsolation()  # suspects of a step that raised
         # prompt tokens looked up / found in the prefix cache, counted once per sequence
         self.prefix_queries_tokens = 0
         self.prefix_hits_tokens = 0
@@ -96,6 +99,16 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.seqs) - len(self.running)
+
+    @property
+    def num_waiting_for_kvs(self) -> int:
+        """Waiting sequences whose connector lookup is in flight (each holds a seat)."""
+        return self.lookups.num_waiting
+
+    @property
+    def suspects(self) -> set[int]:
+        """seq_ids suspected of failing a step (they run alone until cleared)."""
+        return self.isolation.suspects
 
     def has_unfinished_seqs(self) -> bool:
         return bool(self.seqs)
@@ -120,11 +133,10 @@ class Scheduler:
                 self.running.remove(seq)
             elif seq in self.waiting:
                 self.waiting.remove(seq)
-                if seq.status == SequenceStatus.WAITING_FOR_REMOTE_KVS:
-                    self.num_waiting_for_kvs -= 1
+            self.lookups.forget(seq)
             seq.status = status
             self.seqs.pop(seq.seq_id, None)
-            self._held_hits.pop(seq.seq_id, None)
+            self.isolation.forget(seq.seq_id)
             if self.kv_connector is not None:
                 self.kv_connector.request_finished(
                     seq, self.kv_manager.get_unshared_full_blocks(seq.seq_id))
@@ -162,7 +174,9 @@ class Scheduler:
         """
         connector = self.kv_connector
         if connector is not None:
-            self._resume_finished_lookups(connector)
+            self.lookups.resume_finished(connector, self.seqs)
+        # NOTE: while suspects wait, only the first of them runs, alone (step_isolation.py)
+        alone = self.isolation.next_alone(self.running, self.seqs, _sort_key)
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         preempted: list[int] = []
@@ -171,6 +185,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if alone is not None and seq is not alone:
+                i += 1
+                continue
             start = seq.num_computed_tokens
             num_new = len(seq.token_ids) - start
             if 0 < threshold < num_new:
@@ -217,12 +234,18 @@ class Scheduler:
             and len(self.running) + self.num_waiting_for_kvs < self.max_num_seqs
         ):
             seq = self.waiting[index]
-            if seq.status == SequenceStatus.WAITING_FOR_REMOTE_KVS:
+            if seq.status == SequenceStatus.WAITING_FOR_REMOTE_KVS or (
+                    alone is not None and seq is not alone):
                 index += 1
                 continue
+            if seq.status == SequenceStatus.WAITING_FOR_GRAMMAR:
+                if seq.grammar is None or not seq.grammar.is_ready:
+                    index += 1  # compiling (or failed: the engine fails it)
+                    continue
+                seq.status = SequenceStatus.WAITING
             computed_blocks: list[int] = []
             num_cached = 0
-            held = self._held_hits.get(seq.seq_id)
+            held = self.lookups.held(seq.seq_id)
             if held is not None:
                 num_cached = held  # its device hit is allocated already
             elif self.enable_prefix_caching:
@@ -234,10 +257,7 @@ class Scheduler:
                 matched, load_async = connector.get_num_new_matched_tokens(
                     seq, num_cached, self.kv_manager.num_free_blocks)
                 if matched is None:
-                    if held is None:
-                        self._hold_hit(seq, computed_blocks, num_cached)
-                    seq.status = SequenceStatus.WAITING_FOR_REMOTE_KVS
-                    self.num_waiting_for_kvs += 1
+                    self.lookups.wait(seq, computed_blocks, num_cached)
                     index += 1
                     continue
                 if load_async:
@@ -268,7 +288,7 @@ class Scheduler:
                 connector.update_state_after_alloc(seq, allocated, num_external)
             self.waiting.pop(index)
             if held is not None:
-                del self._held_hits[seq.seq_id]
+                self.lookups.admitted(seq.seq_id)
             seq.block_table = allocated
             if not seq.admitted:
                 seq.num_cached_tokens = min(num_cached, seq.num_prompt_tokens)
@@ -281,8 +301,7 @@ class Scheduler:
             budget -= num_new
             scheduled.append(self._schedule_chunk(seq, num_new, allocated, writing))
 
-        if self._held_hits:
-            self._release_answered_holds()
+        self.lookups.release_answered(self.seqs)
         output = SchedulerOutput(
             scheduled=scheduled,
             num_batched_tokens=self.max_num_batched_tokens - budget,
@@ -294,36 +313,18 @@ class Scheduler:
                 connector.wait_for_lookups(IDLE_LOOKUP_WAIT_SECONDS)
         return output
 
-    def _hold_hit(self, seq: Sequence, computed_blocks: list[int], num_cached: int) -> None:
-        """Reference a sequence's device-hit blocks while its lookup is in flight."""
-        if not computed_blocks:
-            return
-        table = self.kv_manager.allocate_slots(
-            seq.seq_id, seq.token_ids, num_cached, 0, computed_block_ids=computed_blocks)
-        if table is not None:
-            seq.block_table = table
-            self._held_hits[seq.seq_id] = num_cached
+    def step_failed(self, scheduler_output: SchedulerOutput) -> list[Sequence]:
+        """The forward pass of `scheduler_output` raised. Returns the culprits whose
+        requests must fail, or none while `StepIsolation` looks for them.
 
-    def _release_answered_holds(self) -> None:
-        """Free the held hits of sequences whose lookup was answered but that were not
-        admitted this step. NOTE: a hold lasts no longer than its lookup plus one step, so
-        it never keeps the sequences ahead of it from the room they need."""
-        for seq_id in list(self._held_hits):
-            seq = self.seqs[seq_id]
-            if seq.status != SequenceStatus.WAITING_FOR_REMOTE_KVS:
-                del self._held_hits[seq_id]
-                self.kv_manager.free(seq_id)
-                seq.block_table = []
-
-    def _resume_finished_lookups(self, connector: KVConnector) -> None:
-        """Sequences whose lookup finished wait as before and are scheduled normally."""
-        for seq_id in connector.take_finished_lookups():
-            seq = self.seqs.get(seq_id)
-            if seq is not None and seq.status == SequenceStatus.WAITING_FOR_REMOTE_KVS:
-                # NOTE: the sort key stays the same (Sequence.sort_key)
-                self.num_waiting_for_kvs -= 1
-                seq.status = (SequenceStatus.PREEMPTED if seq.num_preemptions
-                              else SequenceStatus.WAITING)
+        NOTE: the KV the step was to write is dropped unregistered either way, so neither
+        the prefix cache nor a tier ever serves it.
+        """
+        self.kv_manager.discard_uncommitted()
+        failed = [(self.seqs[s.seq_id], s) for s in scheduler_output.scheduled
+                  if s.seq_id in self.seqs]
+        loaded = {block_id for block_id, _ in scheduler_output.blocks_to_load}
+        return self.isolation.on_failure(failed, loaded, self._preempt)
 
     def _chunk_size(self, seq: Sequence, num_computed: int, budget: int) -> int:
         num_new = seq.num_tokens - num_computed
@@ -369,6 +370,10 @@ class Scheduler:
         that finished are already out of every queue with their blocks released. Stop
         strings are the engine's (they need the text) and end a sequence via `finish_seqs`.
         """
+        # the forward pass succeeded: the KV it wrote becomes findable
+        self.kv_manager.commit()
+        if self.isolation.suspects:
+            self.isolation.clear_passed(scheduler_output.scheduled, self.seqs)
         sampled: list[Sequence] = []
         seqs = self.seqs
         running = SequenceStatus.RUNNING

@@ -16,6 +16,7 @@ from workers.engine.step_io import TokenLogprobs
 
 if TYPE_CHECKING:
     from workers.engine.detokenizer import IncrementalDetokenizer
+    from workers.engine.structured.sequence_grammar import SequenceGrammar
 
 
 class SequenceStatus(IntEnum):
@@ -28,10 +29,15 @@ class SequenceStatus(IntEnum):
     # waiting, while a KV connector looks its prefix up (workers/engine/kv_connector.py);
     # the scheduler skips it until the lookup finishes
     WAITING_FOR_REMOTE_KVS = 6
+    # its request failed on its own: a model step that ran it alone raised
+    FINISHED_ERROR = 7
+    # waiting, while its structured-output grammar compiles (workers/engine/structured/);
+    # the scheduler skips it until the grammar is ready
+    WAITING_FOR_GRAMMAR = 8
 
     @property
     def is_finished(self) -> bool:
-        return SequenceStatus.FINISHED_STOPPED <= self <= SequenceStatus.FINISHED_ABORTED
+        return self in _FINISHED
 
     @property
     def finish_reason(self) -> FinishReason | None:
@@ -42,7 +48,9 @@ _FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: FinishReason.STOP,
     SequenceStatus.FINISHED_LENGTH: FinishReason.LENGTH,
     SequenceStatus.FINISHED_ABORTED: FinishReason.CANCELLED,
+    SequenceStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
+_FINISHED = frozenset(_FINISH_REASONS)
 
 
 @dataclass(slots=True, eq=False)
@@ -70,6 +78,12 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     detokenizer: IncrementalDetokenizer | None = None
+    # set while the sequence is suspected of failing a step: it then runs alone until its
+    # num_computed_tokens passes this position (the end of the chunk that failed)
+    suspect_until: int | None = None
+    num_failed_steps: int = 0  # model steps it was in that raised
+    # its constraint's matcher (params.structured_outputs); None for free text
+    grammar: SequenceGrammar | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from tasks.params import SamplingParams
 
 
@@ -29,12 +31,29 @@ class ScheduledSequence:
 
 
 @dataclass(slots=True)
+class GrammarBitmask:
+    """The allowed next tokens of the step's constrained sequences.
+
+    NOTE: the one array that crosses the engine -> runner boundary. A constrained row
+    allows a few hundred to a few thousand tokens of the vocabulary; Python lists of
+    them per row per step would cost more than the step's sampling. Bit j of word w of a
+    row allows token 32 * w + j.
+    """
+
+    seq_ids: list[int]  # row i constrains sequence seq_ids[i] (each samples this step)
+    bitmask: np.ndarray  # [len(seq_ids), ceil(vocab / 32)] int32
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[ScheduledSequence]
     num_batched_tokens: int  # sum of len(token_ids)
     preempted_seq_ids: list[int] = field(default_factory=list)
     # blocks to fill from a KV tier before the forward pass: (block_id, blob) pairs
     blocks_to_load: list[tuple[int, bytes]] = field(default_factory=list)
+    # the token bitmask of the constrained sequences that sample this step (the engine's
+    # structured-output manager fills it after scheduling); only the sampler reads it
+    grammar_bitmask: GrammarBitmask | None = None
 
 
 @dataclass(slots=True)

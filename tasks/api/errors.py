@@ -1,0 +1,152 @@
+"""The error body every endpoint answers with, and pydantic's validation errors turned
+into it: one message naming the field (`messages[0].content`), never pydantic's own list.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from tasks.params import InvalidParamError
+
+_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
+# what a field of several shapes (a union) accepts, said once instead of per shape
+UNION_SHAPES = {
+    "prompt": "a string or a list of token ids (or a one-element list of either)",
+    "stop": "a string or a list of strings",
+    "content": "a string or a list of text parts ({\"type\": \"text\", \"text\": ...})",
+}
+_EXPECTED = {
+    "int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",
+    "float_type": "a number", "float_parsing": "a number", "finite_number": "a finite number",
+    "string_type": "a string", "bool_type": "true or false", "bool_parsing": "true or false",
+    "list_type": "a list", "model_type": "an object", "dict_type": "an object",
+    "model_attributes_type": "an object", "datetime_type": "an ISO 8601 date-time",
+    "datetime_parsing": "an ISO 8601 date-time", "datetime_from_date_parsing":
+    "an ISO 8601 date-time", "uuid_parsing": "a job id (UUID)", "uuid_type": "a job id (UUID)",
+}
+
+
+class ErrorDetail(BaseModel):
+    """OpenAI's error object."""
+
+    type: str  # invalid_request_error, not_found_error, rate_limit_error, ...
+    message: str  # what is wrong and what to do
+    param: str | None = None  # the field at fault: `messages[0].content`, `Idempotency-Key`
+    code: str | None = None  # machine-readable: invalid_value, job_not_found, ...
+
+
+class ErrorResponse(BaseModel):
+    """Every 4xx and 5xx body: `{"error": {type, message, param, code}}`."""
+
+    error: ErrorDetail
+
+
+class SchemaError(ValueError):
+    """A request field is missing, of the wrong type or out of range."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    @classmethod
+    def from_invalid_param(cls, exc: InvalidParamError) -> SchemaError:
+        """The request field of a parameter error (`stop_token_ids[3]` is field
+        `stop_token_ids`; the message keeps the element)."""
+        return cls(str(exc), exc.param.split("[", 1)[0])
+
+    @classmethod
+    def from_validation(cls, exc: ValidationError,
+                        model: type[BaseModel] | None = None) -> SchemaError:
+        """The first problem of a pydantic validation: `param` the field's path
+        (`messages[0].role`), the message `<param> must be <what>, got <value>`."""
+        errors = exc.errors()
+        error = errors[0]
+        loc = tuple(error["loc"])
+        path, whole = _param(loc)
+        result = cls._describe(error, loc, path, whole, model)
+        # NOTE: like InvalidParamError's: the message names the element (`stop[2]`), the
+        # param the request field (`stop`); an index into a list of objects stays
+        # (`messages[0].content`).
+        result.param = _field_of(path) or None
+        return result
+
+    @classmethod
+    def _describe(cls, error: Any, loc: tuple[Any, ...], param: str, whole: bool,
+                  model: type[BaseModel] | None) -> SchemaError:
+        kind = error["type"]
+        value = error.get("input")
+        ctx = error.get("ctx") or {}
+        if not whole:  # a union: every shape failed
+            shape = UNION_SHAPES.get(str(param).rsplit(".", 1)[-1].split("[")[0])
+            if shape is not None:
+                return cls(f"{param} must be {shape}", param)
+        if kind == "missing" or (kind == "string_type" and value is None):
+            return cls(f"{param} is required", param)
+        if kind == "extra_forbidden":
+            name = str(loc[-1])
+            allowed = ""
+            if model is not None and len(loc) == 1:
+                allowed = "; allowed fields: " + ", ".join(sorted(model.model_fields))
+            return cls(f"unknown field {name!r}{allowed}", name if len(loc) == 1 else param)
+        if kind in _EXPECTED:
+            return cls(f"{param} must be {_EXPECTED[kind]}, got {_json_type(value)}", param)
+        if kind == "literal_error":
+            return cls(f"{param} must be {ctx.get('expected')}, got {_show(value)}", param)
+        if kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
+            sign = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=",
+                    "less_than": "<"}[kind]
+            bound = next(iter(ctx.values()))
+            return cls(f"{param} must be {sign} {bound}, got {_show(value)}", param)
+        if kind == "too_short":
+            return cls(f"{param} must not be empty" if ctx.get("min_length") == 1 else
+                       f"{param} must hold at least {ctx.get('min_length')} items", param)
+        if kind == "too_long":
+            return cls(f"{param} must hold at most {ctx.get('max_length')} items", param)
+        if kind == "value_error":
+            cause = ctx.get("error")
+            if isinstance(cause, InvalidParamError):
+                return cls.from_invalid_param(cause)
+            return cls(f"{param} {cause}", param)
+        return cls(f"{param}: {error['msg']}", param)
+
+
+def _field_of(path: str) -> str:
+    """`stop_token_ids[0]` -> `stop_token_ids`; `messages[0].content` stays."""
+    return re.sub(r"\[\d+\]$", "", path)
+
+
+def _param(loc: tuple[Any, ...]) -> tuple[str, bool]:
+    """(`messages[0].content`, whether the whole path was field names and indexes; a
+    union's shape tag such as `list[int]` ends it)."""
+    param = ""
+    for i, part in enumerate(loc):
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif isinstance(part, str) and _NAME.match(part) and part not in ("str", "int",
+                                                                           "list", "float"):
+            param += ("." if param else "") + part
+        else:
+            return param, False
+    return param, True
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+def _show(value: Any) -> str:
+    return str(InvalidParamError("x", value, "y")).split(", got ", 1)[1]

@@ -1,0 +1,227 @@
+"""The API's description: `/openapi.json` (OpenAPI 3.1, generated from the pydantic models
+of `tasks.api`) and `/docs` (Swagger UI, its assets served from the `flask_swagger_ui`
+package: no CDN, works offline).
+
+Each operation is one row of `OPERATIONS`: its request body model, query model, headers
+and the models of its answers by status. The schemas are pydantic's
+`models_json_schema()` (JSON Schema 2020-12, which OpenAPI 3.1 uses as it is).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from flask import Blueprint, Response, current_app, jsonify, send_from_directory
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from tasks.api.errors import ErrorResponse
+from tasks.api.jobs import Job, JobCreateRequest, JobList, JobListQuery
+from tasks.api.openai import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    ModelList,
+)
+from tasks.api.service import Health, Readiness
+
+bp = Blueprint("openapi", __name__)
+
+SSE = "text/event-stream"
+JSON = "application/json"
+_REF = "#/components/schemas/{model}"
+
+
+@dataclass(frozen=True, slots=True)
+class Param:
+    name: str
+    where: str  # path, query, header
+    description: str
+    required: bool = False
+    schema: dict[str, Any] = field(default_factory=lambda: {"type": "string"})
+
+
+@dataclass(frozen=True, slots=True)
+class Operation:
+    method: str
+    path: str
+    operation_id: str
+    summary: str
+    tag: str
+    # status -> {media type: model, or None for free text}
+    responses: dict[int, dict[str, type[BaseModel] | None]]
+    body: type[BaseModel] | None = None
+    query: type[BaseModel] | None = None
+    params: tuple[Param, ...] = ()
+
+
+def _errors(*statuses: int) -> dict[int, dict[str, type[BaseModel] | None]]:
+    return {status: {JSON: ErrorResponse} for status in statuses}
+
+
+JOB_ID = Param("job_id", "path", "the job's id (UUID)", required=True)
+IDEMPOTENCY_KEY = Param("Idempotency-Key", "header", "1 to 200 characters: a retry with the "
+                        "same key and request returns the first job; the same key with a "
+                        "different request is a 422",
+                        schema={"type": "string", "minLength": 1, "maxLength": 200})
+_OPENAI_ERRORS = _errors(400, 401, 404, 413, 422, 429, 500, 503, 504)
+
+OPERATIONS: tuple[Operation, ...] = (
+    Operation("post", "/v1/jobs", "createJob", "Submit a job (202); a repeated "
+              "Idempotency-Key returns the first job (200)", "jobs",
+              {202: {JSON: Job}, 200: {JSON: Job}, **_errors(400, 401, 404, 413, 422, 429, 503)},
+              body=JobCreateRequest, params=(IDEMPOTENCY_KEY,)),
+    Operation("get", "/v1/jobs", "listJobs", "The caller's jobs, newest first; page with "
+              "`after` (the previous page's `last_id`)", "jobs",
+              {200: {JSON: JobList}, **_errors(400, 401, 503)}, query=JobListQuery),
+    Operation("get", "/v1/jobs/{job_id}", "getJob", "A job: status, output so far, usage",
+              "jobs", {200: {JSON: Job}, **_errors(401, 404, 503)}, params=(JOB_ID,)),
+    Operation("post", "/v1/jobs/{job_id}/cancel", "cancelJob", "Cancel: a queued job at once "
+              "(200), a running one by asking its worker (202); 409 when it already ended",
+              "jobs", {200: {JSON: Job}, 202: {JSON: Job}, **_errors(401, 404, 409, 503)},
+              params=(JOB_ID,)),
+    Operation("get", "/v1/jobs/{job_id}/events", "streamJobEvents", "Server-sent events of "
+              "the job: `token`, `restart`, then one of `done`, `error`, `cancelled`", "jobs",
+              {200: {SSE: None}, **_errors(400, 401, 404, 503)},
+              params=(JOB_ID,
+                      Param("Last-Event-ID", "header", "resume after this event id "
+                            "(<ms>-<seq>)"),
+                      Param("last_event_id", "query", "the same, for clients that cannot "
+                            "set headers"))),
+    Operation("post", "/v1/completions", "createCompletion", "OpenAI completions; "
+              "`stream: true` answers text/event-stream chunks (the Completion shape) "
+              "ending with `data: [DONE]`", "openai",
+              {200: {JSON: Completion, SSE: None}, **_OPENAI_ERRORS},
+              body=CompletionRequest, params=(IDEMPOTENCY_KEY,)),
+    Operation("post", "/v1/chat/completions", "createChatCompletion", "OpenAI chat "
+              "completions; `stream: true` answers text/event-stream chunks "
+              "(ChatCompletionChunk) ending with `data: [DONE]`", "openai",
+              {200: {JSON: ChatCompletion, SSE: None}, **_OPENAI_ERRORS},
+              body=ChatCompletionRequest, params=(IDEMPOTENCY_KEY,)),
+    Operation("get", "/v1/models", "listModels", "Served models and their live device groups",
+              "openai", {200: {JSON: ModelList}, **_errors(401, 503)}),
+    Operation("get", "/health", "health", "Liveness", "service", {200: {JSON: Health}}),
+    Operation("get", "/ready", "ready", "Readiness: database, Redis and a live worker per "
+              "model", "service", {200: {JSON: Readiness}, 503: {JSON: Readiness}}),
+    Operation("get", "/metrics", "metrics", "Prometheus metrics", "service",
+              {200: {"text/plain": None}}),
+)
+# documented in components though no operation names them directly (stream chunks)
+EXTRA_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionChunk,)
+
+
+def build_openapi(version: str = "0.1.0") -> dict[str, Any]:
+    """The OpenAPI 3.1 document of `OPERATIONS`."""
+    models: list[type[BaseModel]] = list(EXTRA_MODELS)
+    for op in OPERATIONS:
+        if op.body is not None:
+            models.append(op.body)
+        for media in op.responses.values():
+            models.extend(model for model in media.values() if model is not None)
+    unique = list(dict.fromkeys(models))
+    refs, defs = models_json_schema([(model, "validation") for model in unique],
+                                    ref_template=_REF)
+    schemas = dict(defs.get("$defs", {}))
+    paths: dict[str, dict[str, Any]] = {}
+    for op in OPERATIONS:
+        paths.setdefault(op.path, {})[op.method] = _operation(op, refs)
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "llmq", "version": version,
+                 "description": "LLM completions as durable asynchronous jobs: the jobs API "
+                 "and OpenAI's completions and chat completions over the same jobs. Errors "
+                 "are OpenAI's shape: {\"error\": {type, message, param, code}}."},
+        "tags": [{"name": "jobs"}, {"name": "openai"}, {"name": "service"}],
+        "paths": paths,
+        "components": {
+            "schemas": schemas,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",
+                                           "description": "with LLMQ_AUTH_ENABLED: an API "
+                                           "key from `llmq keys create`"}},
+        },
+    }
+
+
+def _operation(op: Operation, refs: dict[Any, dict[str, Any]]) -> dict[str, Any]:
+    body: dict[str, Any] = {"operationId": op.operation_id, "summary": op.summary,
+                            "tags": [op.tag]}
+    parameters = [_param(p) for p in op.params]
+    if op.query is not None:
+        query_schema = op.query.model_json_schema()
+        required = set(query_schema.get("required", []))
+        for name, prop in query_schema["properties"].items():
+            prop = dict(prop)
+            description = prop.pop("description", "")
+            prop.pop("title", None)
+            parameters.append({"name": name, "in": "query", "required": name in required,
+                               "description": description, "schema": prop})
+    if parameters:
+        body["parameters"] = parameters
+    if op.body is not None:
+        body["requestBody"] = {"required": True, "content": {
+            JSON: {"schema": refs[(op.body, "validation")]}}}
+    responses: dict[str, Any] = {}
+    for status, media in sorted(op.responses.items()):
+        content = {kind: ({"schema": refs[(model, "validation")]} if model is not None
+                          else {"schema": {"type": "string"}})
+                   for kind, model in media.items()}
+        responses[str(status)] = {"description": _DESCRIPTIONS.get(status, "answer"),
+                                  "content": content}
+        if status == 429:
+            responses[str(status)]["headers"] = {"Retry-After": {
+                "description": "seconds to wait", "schema": {"type": "integer"}}}
+    body["responses"] = responses
+    return body
+
+
+def _param(param: Param) -> dict[str, Any]:
+    return {"name": param.name, "in": param.where, "required": param.required,
+            "description": param.description, "schema": param.schema}
+
+
+_DESCRIPTIONS = {
+    200: "OK", 202: "accepted: the job is queued", 400: "the request is invalid (param "
+    "names the field)", 401: "missing or unknown API key", 404: "no such job, model or "
+    "route", 409: "the job already ended", 413: "body too large", 422: "Idempotency-Key "
+    "reused with a different request", 429: "the model's queue is full "
+    "(LLMQ_MAX_QUEUED_JOBS)", 500: "the job failed on the server", 503: "the database or "
+    "Redis is unreachable, or not ready", 504: "the job did not finish within "
+    "LLMQ_REQUEST_TIMEOUT_SECONDS (it was cancelled)",
+}
+
+
+@bp.get("/openapi.json")
+def openapi_json() -> Response:
+    """The OpenAPI document (built once per app)."""
+    document = current_app.extensions.get("llmq_openapi")
+    if document is None:
+        document = current_app.extensions["llmq_openapi"] = build_openapi()
+    return jsonify(document)
+
+
+_DOCS_PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>llmq API</title>
+<link rel="stylesheet" href="/docs/assets/swagger-ui.css"></head>
+<body><div id="swagger-ui"></div>
+<script src="/docs/assets/swagger-ui-bundle.js"></script>
+<script>SwaggerUIBundle({url: "/openapi.json", dom_id: "#swagger-ui"});</script>
+</body></html>
+"""
+
+
+@bp.get("/docs")
+def docs() -> Response:
+    """Swagger UI over `/openapi.json`."""
+    return Response(_DOCS_PAGE, mimetype="text/html")
+
+
+@bp.get("/docs/assets/<path:name>")
+def docs_asset(name: str) -> Response:
+    """Swagger UI's files, from the installed `flask_swagger_ui` package."""
+    import flask_swagger_ui
+
+    directory = flask_swagger_ui.__path__[0] + "/dist"
+    return send_from_directory(directory, name, max_age=3600)
