@@ -196,15 +196,19 @@ def test_sampler_fails_on_the_poisons_the_check_rejects():
         seq = ScheduledSequence(seq_id=0, token_ids=[3], start_pos=2, block_table=[0],
                                 sample=True, params=params, prompt_token_ids=[1, 2, 3],
                                 output_token_ids=[])
-        return sample(torch.randn(1, VOCAB), [seq], eos_token_ids=[2])[0]
+        # NOTE: fixed logits and a seeded draw: the outcome must not depend on the RNG
+        # state earlier tests left behind
+        logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(0))
+        logits[0, [1, 2, 3]] = 5.0  # positive prompt-token logits: a tiny penalty divides
+        return sample(logits, [seq], eos_token_ids=[2])[0]
 
     for fields in ({"stop_token_ids": [VOCAB], "min_tokens": 1},
                    {"stop_token_ids": [2**63], "min_tokens": 1}):
         with pytest.raises((IndexError, ValueError, RuntimeError)):
             run(**fields)
     # non-finite probabilities: an exception or a token id outside the vocabulary
-    for fields in ({"temperature": 3.5e38, "min_tokens": 1},
-                   {"temperature": 1.0, "repetition_penalty": 1e-40}):
+    for fields in ({"temperature": 3.5e38, "min_tokens": 1, "seed": 7},
+                   {"temperature": 1.0, "repetition_penalty": 1e-40, "seed": 7}):
         try:
             token_ids = run(**fields)
         except (IndexError, RuntimeError):
