@@ -36,6 +36,7 @@ from tasks.protocol import (
     RESEND_QUEUED_TASK,
     EventType,
     JobEvent,
+    group_alive_key,
 )
 from tasks.redis_client import make_redis
 from tasks.settings import Settings
@@ -238,6 +239,31 @@ def expire_streams(settings: Settings, session_factory: sessionmaker[Session],
     return len(expired)
 
 
+def forget_dead_groups(settings: Settings, redis: Redis) -> list[str]:
+    """Remove the heartbeat fields of device groups whose alive key has expired (a group
+    killed without its drain); returns "model/group" of each one removed.
+
+    NOTE: readers already skip them (they check the alive key); this keeps the groups
+    hashes from growing with every crashed worker. A group that was only slow re-adds its
+    field with its next beat.
+    """
+    prefix = settings.key("groups") + ":"
+    removed: list[str] = []
+    for key in redis.scan_iter(match=prefix + "*", count=EXPIRE_SCAN_COUNT, _type="hash"):
+        model = key.decode()[len(prefix):]
+        group_ids = [g.decode() for g in redis.hkeys(key)]
+        pipe = redis.pipeline(transaction=False)
+        for group_id in group_ids:
+            pipe.exists(group_alive_key(settings, model, group_id))
+        dead = [g for g, alive in zip(group_ids, pipe.execute()) if not alive]
+        if dead:
+            redis.hdel(key, *dead)
+            removed += [f"{model}/{g}" for g in dead]
+    if removed:
+        logger.info("forgot %d dead device groups: %s", len(removed), ", ".join(removed))
+    return removed
+
+
 class _Resources:
     """Connections of the maintenance tasks, opened on first use (not at registration)."""
 
@@ -279,4 +305,5 @@ def register_maintenance_tasks(app: Celery, settings: Settings) -> None:
 
     @app.task(name=EXPIRE_STREAMS_TASK, ignore_result=True)
     def expire_streams_task() -> int:
+        forget_dead_groups(settings, resources.redis)
         return expire_streams(settings, resources.session_factory, resources.redis)

@@ -213,3 +213,30 @@ def get_job(base_url: str, job_id: str) -> dict[str, Any]:
     response = requests.get(f"{base_url}/v1/jobs/{job_id}", timeout=30)
     assert response.status_code == 200, response.text
     return response.json()
+
+
+@contextmanager
+def serving_web(command: list[str], env: dict[str, str], log_path: Path,
+                timeout: float = 60.0) -> Iterator[str]:
+    """Run a web server `command` (listening on the `--bind`/`-b` address it names) until
+    the block ends; yields its base URL once /health answers."""
+    bind = command[(command.index("--bind") if "--bind" in command else command.index("-b")) + 1]
+    url = f"http://{bind}"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log,
+                                   stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                assert process.poll() is None, f"the web server exited; see {log_path}"
+                try:
+                    if requests.get(url + "/health", timeout=2).ok:
+                        break
+                except requests.RequestException:
+                    pass
+                assert time.monotonic() < deadline, f"the web server did not come up: {log_path}"
+                time.sleep(0.2)
+            yield url
+        finally:
+            process.terminate()
+            process.wait(30)

@@ -116,3 +116,15 @@ def test_registered_tasks_run_and_expire_finished_streams(settings, session_fact
     assert redis_client.ttl(events_key(settings, running)) == -1
     assert expire_streams(settings, session_factory, redis_client) == 0
     app.tasks[RECLAIM_TASK].apply().get()  # runs against real services without error
+
+
+def test_dead_groups_leave_the_groups_hash(settings, redis_client):
+    from tasks.maintenance import forget_dead_groups
+    from tasks.protocol import group_alive_key, groups_key
+
+    key = groups_key(settings, "tiny")
+    redis_client.hset(key, mapping={"alive-group": "{}", "crashed-group": "{}"})
+    redis_client.set(group_alive_key(settings, "tiny", "alive-group"), 1, ex=60)
+    assert forget_dead_groups(settings, redis_client) == ["tiny/crashed-group"]
+    assert set(redis_client.hkeys(key)) == {b"alive-group"}
+    assert forget_dead_groups(settings, redis_client) == []

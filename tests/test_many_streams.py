@@ -10,7 +10,6 @@ from __future__ import annotations
 import re
 import resource
 import socket
-import subprocess
 import time
 
 import pytest
@@ -18,7 +17,7 @@ import requests
 
 from llmq.commands import web_command
 from tests.fixtures_services import free_port
-from tests.pipeline_helpers import REPO, submit, worker_env
+from tests.pipeline_helpers import serving_web, submit, worker_env
 
 pytestmark = pytest.mark.integration
 
@@ -32,30 +31,13 @@ def web_url(service_settings, tmp_path_factory):
     if soft < NUM_STREAMS + 500:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, NUM_STREAMS + 1000), hard))
     port = free_port()
-    log = open(tmp_path_factory.mktemp("web") / "web.log", "wb")
     command = web_command("127.0.0.1", port, workers=1, threads=NUM_THREADS,
                           graceful_timeout=2.0)
     command.remove("--access-logfile")
     command.remove("-")  # 2,000 access lines say nothing here
-    process = subprocess.Popen(command, cwd=REPO, env=worker_env(service_settings),
-                               stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, "gunicorn exited; see its log"
-            try:
-                if requests.get(url + "/health", timeout=2).ok:
-                    break
-            except requests.RequestException:
-                pass
-            assert time.monotonic() < deadline, "gunicorn did not come up"
-            time.sleep(0.2)
+    with serving_web(command, worker_env(service_settings),
+                     tmp_path_factory.mktemp("web") / "web.log") as url:
         yield url
-    finally:
-        process.terminate()
-        process.wait(30)
-        log.close()
 
 
 def _open_streams(url: str, job_ids: list[str], count: int) -> list[socket.socket]:

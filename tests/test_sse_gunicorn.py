@@ -7,19 +7,17 @@ from __future__ import annotations
 
 import json
 import socket
-import subprocess
 import sys
-import time
 
 import pytest
 import requests
 
 from tests.fixtures_services import free_port
 from tests.pipeline_helpers import (
-    REPO,
     iter_sse,
     read_job,
     running_worker,
+    serving_web,
     submit,
     wait_terminal,
     worker_env,
@@ -35,29 +33,11 @@ LONG = {"max_tokens": 300, "ignore_eos": True, "temperature": 0.0}
 @pytest.fixture(scope="module", params=["webapp.stream_worker.StreamWorker", "gthread"])
 def gunicorn_url(request, service_settings, tmp_path_factory):
     port = free_port()
-    log = open(tmp_path_factory.mktemp("gunicorn") / "web.log", "wb")
     env = worker_env(service_settings, LLMQ_SSE_HEARTBEAT_SECONDS="1")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "gunicorn", "-k", request.param, "-w", "1", "--threads", "16",
-         "-b", f"127.0.0.1:{port}", "webapp.wsgi:app"],
-        cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, "gunicorn exited; see its log"
-            try:
-                if requests.get(url + "/health", timeout=2).ok:
-                    break
-            except requests.RequestException:
-                pass
-            assert time.monotonic() < deadline, "gunicorn did not come up"
-            time.sleep(0.2)
+    command = [sys.executable, "-m", "gunicorn", "-k", request.param, "-w", "1", "--threads",
+               "16", "-b", f"127.0.0.1:{port}", "webapp.wsgi:app"]
+    with serving_web(command, env, tmp_path_factory.mktemp("gunicorn") / "web.log") as url:
         yield url
-    finally:
-        process.terminate()
-        process.wait(30)
-        log.close()
 
 
 @pytest.fixture(scope="module")

@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m workers.main",
+    parser = argparse.ArgumentParser(prog="llmq worker",
                                      description="Run one llmq device-group worker.")
     parser.add_argument("--model-name", required=True, help="served model name (its queue)")
     parser.add_argument("--model-dir", help="checkpoint directory (default: LLMQ_MODELS entry)")

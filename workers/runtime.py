@@ -88,14 +88,20 @@ class GroupRuntime:
         started = time.monotonic()
         group = self.group or build_topology(s.device, None, 1).groups[0]
         tp = group.tp_size
-        self.engine = build_engine(
-            self.model_dir, dtype=s.dtype,
-            device=group.kind.value if tp > 1 else group.device_name(0),
-            kv_cache_bytes=s.kv_cache_bytes, config=config, kv_tiers=s.kv_tiers,
-            kv_key_prefix=s.redis_prefix, kv_reuse_filter=s.kv_reuse_filter,
-            tensor_parallel_size=tp, device_indices=group.devices if tp > 1 else None,
-            tp_timeout_seconds=self.tp_timeout_seconds,
-        )
+        try:
+            self.engine = build_engine(
+                self.model_dir, dtype=s.dtype,
+                device=group.kind.value if tp > 1 else group.device_name(0),
+                kv_cache_bytes=s.kv_cache_bytes, config=config, kv_tiers=s.kv_tiers,
+                kv_key_prefix=s.redis_prefix, kv_reuse_filter=s.kv_reuse_filter,
+                tensor_parallel_size=tp, device_indices=group.devices if tp > 1 else None,
+                tp_timeout_seconds=self.tp_timeout_seconds,
+            )
+        except Exception as exc:
+            # NOTE: Celery logs the traceback and stops; workers.main turns this into a
+            # one-line error and exit code 1 (a supervisor must not take it for a clean stop)
+            self.failure = f"could not load model {self.model_name!r} from {self.model_dir}: {exc}"
+            raise
         logger.info("group %s loaded %s from %s in %.1fs (max_model_len %d)", self.group_id,
                     self.model_name, self.model_dir, time.monotonic() - started,
                     self.engine.max_model_len)
