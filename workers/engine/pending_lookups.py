@@ -26,6 +26,10 @@ class PendingLookups:
         # seq_id -> device-hit tokens held (blocks referenced) while its lookup is in flight
         self._held_hits: dict[int, int] = {}
 
+    @property
+    def holds_hits(self) -> bool:
+        return bool(self._held_hits)
+
     def held(self, seq_id: int) -> int | None:
         """Device-hit tokens `seq_id` already holds (its blocks are allocated), if any."""
         return self._held_hits.get(seq_id)

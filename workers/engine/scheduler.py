@@ -176,7 +176,8 @@ class Scheduler:
         if connector is not None:
             self.lookups.resume_finished(connector, self.seqs)
         # NOTE: while suspects wait, only the first of them runs, alone (step_isolation.py)
-        alone = self.isolation.next_alone(self.running, self.seqs, _sort_key)
+        alone = (self.isolation.next_alone(self.running, self.seqs, _sort_key)
+                 if self.isolation.suspects else None)
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         preempted: list[int] = []
@@ -301,7 +302,8 @@ class Scheduler:
             budget -= num_new
             scheduled.append(self._schedule_chunk(seq, num_new, allocated, writing))
 
-        self.lookups.release_answered(self.seqs)
+        if self.lookups.holds_hits:
+            self.lookups.release_answered(self.seqs)
         output = SchedulerOutput(
             scheduled=scheduled,
             num_batched_tokens=self.max_num_batched_tokens - budget,
