@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import sys
@@ -31,10 +30,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench_services import add_service_args, create_scratch, drop_scratch  # noqa: E402
 from sqlalchemy import insert, text  # noqa: E402
 
 from tasks.auth import create_api_key  # noqa: E402
-from tasks.db import create_db_engine, make_sessionmaker, upgrade_database, utcnow  # noqa: E402
+from tasks.db import create_db_engine, make_sessionmaker, utcnow  # noqa: E402
 from tasks.models import Job  # noqa: E402
 from tasks.settings import Settings  # noqa: E402
 from webapp import create_app  # noqa: E402
@@ -51,11 +51,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-jobs", type=int, default=10_000)
     p.add_argument("--num-keys", type=int, default=5)
     p.add_argument("--repeats", type=int, default=30, help="timed calls per endpoint")
-    p.add_argument("--postgres-url", default=os.environ.get(
-        "LLMQ_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"))
-    p.add_argument("--redis-url", default=os.environ.get(
-        "LLMQ_TEST_REDIS_URL", "redis://127.0.0.1:6379/0"))
-    p.add_argument("--json", help="also write the figures to this file")
+    add_service_args(p)
     return p.parse_args(argv)
 
 
@@ -137,20 +133,11 @@ def calls(client: Any, headers: dict[str, str], key_name: str | None) -> list[tu
 
 
 def main(argv: list[str] | None = None) -> int:
-    import psycopg
-
-    from tasks.redis_client import make_redis
-
     args = parse_args(argv)
-    db_name = f"llmq_bench_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(args.postgres_url, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{db_name}"')
-    database_url = args.postgres_url.rsplit("/", 1)[0] + "/" + db_name
-    prefix = f"llmqbench{uuid.uuid4().hex[:8]}"
+    scratch = create_scratch(args.postgres_url, args.redis_url)
     rows: list[dict[str, Any]] = []
     try:
-        upgrade_database(database_url)
-        engine = create_db_engine(database_url)
+        engine = create_db_engine(scratch.database_url)
         session_factory = make_sessionmaker(engine)
         keys = [create_api_key(session_factory, f"key-{i}") for i in range(args.num_keys)]
         start = time.perf_counter()
@@ -161,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
             conn.execute(text("VACUUM ANALYZE jobs"))
         print(f"inserted {args.num_jobs} jobs in {time.perf_counter() - start:.1f} s",
               file=sys.stderr)
-        base = Settings(database_url=database_url, redis_url=args.redis_url,
-                        redis_prefix=prefix, models={m: str(REPO) for m in MODELS})
+        base = Settings(database_url=scratch.database_url, redis_url=args.redis_url,
+                        redis_prefix=scratch.redis_prefix, models={m: str(REPO) for m in MODELS})
         for auth in (False, True):
             app = create_app(base.with_overrides(auth_enabled=auth))
             client = app.test_client()
@@ -178,12 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             app.extensions["llmq"].close()
         engine.dispose()
     finally:
-        with psycopg.connect(args.postgres_url, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{db_name}" WITH (FORCE)')
-        client_redis = make_redis(args.redis_url)
-        for key in client_redis.scan_iter(match=prefix + "*"):
-            client_redis.delete(key)
-        client_redis.close()
+        drop_scratch(scratch)
     print(f"\n{args.num_jobs} jobs, {args.repeats} calls each, server time (Flask in-process)\n")
     print("| scope | call | median ms | p95 ms | max ms |")
     print("| --- | --- | ---: | ---: | ---: |")

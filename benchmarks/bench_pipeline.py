@@ -33,7 +33,6 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
@@ -43,7 +42,8 @@ import requests
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tasks.db import upgrade_database  # noqa: E402
+from bench_services import add_service_args, create_scratch, drop_scratch  # noqa: E402
+
 from tasks.protocol import groups_key  # noqa: E402
 from tasks.redis_client import make_redis  # noqa: E402
 from tasks.settings import Settings  # noqa: E402
@@ -75,11 +75,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "thread per stream")
     p.add_argument("--web-processes", type=int, default=2,
                    help="gunicorn workers (the API scales by processes)")
-    p.add_argument("--postgres-url", default=os.environ.get(
-        "LLMQ_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"))
-    p.add_argument("--redis-url", default=os.environ.get(
-        "LLMQ_TEST_REDIS_URL", "redis://127.0.0.1:6379/0"))
-    p.add_argument("--json", help="also write the figures to this file")
+    add_service_args(p)
     return p.parse_args(argv)
 
 
@@ -137,18 +133,11 @@ class Services:
     """A throwaway database, a gunicorn API and one worker process."""
 
     def __init__(self, args: argparse.Namespace, model_dir: str, workdir: Path) -> None:
-        import psycopg
-
         self.args = args
-        self.admin_url = args.postgres_url
-        self.db_name = f"llmq_bench_{uuid.uuid4().hex[:10]}"
-        with psycopg.connect(self.admin_url, autocommit=True) as conn:
-            conn.execute(f'CREATE DATABASE "{self.db_name}"')
-        database_url = self.admin_url.rsplit("/", 1)[0] + "/" + self.db_name
-        upgrade_database(database_url)
+        self.scratch = create_scratch(args.postgres_url, args.redis_url)
         self.settings = Settings(
-            database_url=database_url, redis_url=args.redis_url,
-            redis_prefix=f"llmqbench{uuid.uuid4().hex[:8]}",
+            database_url=self.scratch.database_url, redis_url=args.redis_url,
+            redis_prefix=self.scratch.redis_prefix,
             models={"bench": model_dir, "idle": model_dir},
         )
         self.redis = make_redis(args.redis_url)
@@ -191,8 +180,6 @@ class Services:
         raise RuntimeError("the API or the worker did not come up in time")
 
     def close(self) -> None:
-        import psycopg
-
         for proc in (self.worker, self.web):
             proc.terminate()
         for proc in (self.worker, self.web):
@@ -202,11 +189,7 @@ class Services:
                 proc.kill()
         for log in self.logs:
             log.close()
-        keys = list(self.redis.scan_iter(match=self.settings.redis_prefix + "*", count=1000))
-        for start in range(0, len(keys), 500):
-            self.redis.delete(*keys[start:start + 500])
-        with psycopg.connect(self.admin_url, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{self.db_name}" WITH (FORCE)')
+        drop_scratch(self.scratch)
 
 
 def cpu_snapshot(services: Services) -> dict[str, float]:

@@ -24,7 +24,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +33,9 @@ import requests
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench_services import add_service_args, create_scratch, drop_scratch  # noqa: E402
+
 from llmq.commands import web_command  # noqa: E402
-from tasks.db import upgrade_database  # noqa: E402
-from tasks.redis_client import make_redis  # noqa: E402
 from tasks.settings import Settings  # noqa: E402
 from tests.pipeline_helpers import worker_env  # noqa: E402
 
@@ -53,11 +52,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--health-requests", type=int, default=100)
     p.add_argument("--open-timeout", type=float, default=30.0,
                    help="seconds a stream may take to start before the step fails")
-    p.add_argument("--postgres-url", default=os.environ.get(
-        "LLMQ_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"))
-    p.add_argument("--redis-url", default=os.environ.get(
-        "LLMQ_TEST_REDIS_URL", "redis://127.0.0.1:6379/0"))
-    p.add_argument("--json", help="also write the figures to this file")
+    add_service_args(p)
     return p.parse_args(argv)
 
 
@@ -65,19 +60,13 @@ class Web:
     """A throwaway database and one gunicorn web process (one worker)."""
 
     def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
-        import psycopg
-
         from workers.engine.make_model import make_model
 
         model_dir = str(make_model(workdir / "model", "qwen3", "tiny"))
-        self.admin_url = args.postgres_url
-        self.db_name = f"llmq_bench_{uuid.uuid4().hex[:10]}"
-        with psycopg.connect(self.admin_url, autocommit=True) as conn:
-            conn.execute(f'CREATE DATABASE "{self.db_name}"')
-        database_url = self.admin_url.rsplit("/", 1)[0] + "/" + self.db_name
-        upgrade_database(database_url)
-        self.settings = Settings(database_url=database_url, redis_url=args.redis_url,
-                                 redis_prefix=f"llmqbench{uuid.uuid4().hex[:8]}",
+        self.scratch = create_scratch(args.postgres_url, args.redis_url)
+        self.settings = Settings(database_url=self.scratch.database_url,
+                                 redis_url=args.redis_url,
+                                 redis_prefix=self.scratch.redis_prefix,
                                  models={"idle": model_dir})
         port = _free_port()
         if args.worker_class == "stream":
@@ -113,20 +102,13 @@ class Web:
         return children[0]
 
     def close(self) -> None:
-        import psycopg
-
         self.process.terminate()
         try:
             self.process.wait(30)
         except subprocess.TimeoutExpired:
             self.process.kill()
         self.log.close()
-        redis = make_redis(self.settings.redis_url)
-        keys = list(redis.scan_iter(match=self.settings.redis_prefix + "*", count=1000))
-        for start in range(0, len(keys), 500):
-            redis.delete(*keys[start:start + 500])
-        with psycopg.connect(self.admin_url, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{self.db_name}" WITH (FORCE)')
+        drop_scratch(self.scratch)
 
 
 def _free_port() -> int:
