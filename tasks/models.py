@@ -54,6 +54,13 @@ class JobKind(str, Enum):
     CHAT = "chat"
 
 
+class JobErrorKind(str, Enum):
+    """Why a job failed. A client's own input answers 400, anything else 500."""
+
+    INVALID_REQUEST = "invalid_request"  # the request cannot run on the served model
+    SERVER_ERROR = "server_error"  # the service failed it (a step, a device, a timeout)
+
+
 class ApiKey(Base):
     __tablename__ = "api_keys"
 
@@ -80,6 +87,9 @@ class Job(Base):
     status: Mapped[str] = mapped_column(String(16), default=JobStatus.QUEUED.value)
     finish_reason: Mapped[str | None] = mapped_column(String(16))
     error: Mapped[str | None] = mapped_column(Text)
+    # why a failed job failed, for the HTTP status of its answer: JobErrorKind
+    error_kind: Mapped[str | None] = mapped_column(String(32))
+    request_id: Mapped[str | None] = mapped_column(String(200))  # the client's X-Request-Id
     # per sample (n > 1): [{"index", "text", "finish_reason", "token_ids"?}]
     output: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
     output_text: Mapped[str | None] = mapped_column(Text)  # sample 0, for listing and polling
@@ -97,6 +107,11 @@ class Job(Base):
     __table_args__ = (
         Index("ix_jobs_status_lease", "status", "lease_expires_at"),
         Index("ix_jobs_key_created", "api_key_id", "created_at"),
+        Index("ix_jobs_created", "created_at"),
+        Index("ix_jobs_key_status", "api_key_id", "status"),
+        # the queue limit counts a model's queued jobs
+        Index("ix_jobs_queued_model", "model", postgresql_where=text("status = 'queued'"),
+              sqlite_where=text("status = 'queued'")),
         # Only rows with a key take part. NULLS NOT DISTINCT (Postgres 15+): with auth off
         # every api_key_id is NULL, and a repeated Idempotency-Key must still collide.
         Index(
