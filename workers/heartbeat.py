@@ -159,8 +159,18 @@ class Heartbeat:
         return group_alive_key(self.settings, self.identity.model, self.identity.group_id)
 
     def _run(self) -> None:
+        failing_since: float | None = None  # a Redis outage is logged once, not every beat
         while not self._stop.wait(self.interval):
             try:
                 self.beat()
-            except Exception:  # retried next interval
-                logger.warning("heartbeat of %s failed", self.identity.group_id, exc_info=True)
+            except Exception as exc:  # retried next interval
+                if failing_since is None:
+                    failing_since = time.monotonic()
+                    logger.warning("heartbeat of %s failed (%s: %s); retrying every %.1f s "
+                                   "quietly until it succeeds", self.identity.group_id,
+                                   type(exc).__name__, exc, self.interval)
+                continue
+            if failing_since is not None:
+                logger.warning("heartbeat of %s is back after %.1f s", self.identity.group_id,
+                               time.monotonic() - failing_since)
+                failing_since = None
