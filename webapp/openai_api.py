@@ -206,7 +206,7 @@ def _wait_and_answer(svc: Services, job: Job, answer: Answer,
             break
     row = _reload(svc, job_id) or job
     if row.status == JobStatus.FAILED.value:
-        raise failed_job_error(job_id, row.error)
+        raise failed_job_error(job_id, row.error, row.error_kind)
     outputs = {int(o.get("index", 0)): o for o in (row.output or [])}
     choices = []
     for i in range(answer.n):

@@ -42,6 +42,7 @@ from typing import Any, Protocol
 
 from tasks.db import utcnow
 from tasks.metrics import WorkerMetrics
+from tasks.models import JobErrorKind
 from tasks.params import SamplingParams
 from tasks.protocol import JobEvent
 from tasks.streams.publish import EventPublisher
@@ -279,7 +280,7 @@ class Batcher:
                 )
             except ValueError as exc:
                 logger.info("job %s rejected by the engine: %s", job.job_id, exc)
-                self._fail(state, str(exc), events)
+                self._fail(state, str(exc), events, JobErrorKind.INVALID_REQUEST)
                 continue
             except Exception as exc:
                 logger.exception("adding job %s to the engine failed", job.job_id)
@@ -356,8 +357,9 @@ class Batcher:
             if state.all_finished:
                 self._finish(state, events)
 
-    def _fail(self, state: JobState, reason: str, events: list[tuple[str, JobEvent]]) -> None:
-        state.fail(reason)
+    def _fail(self, state: JobState, reason: str, events: list[tuple[str, JobEvent]],
+              kind: JobErrorKind = JobErrorKind.SERVER_ERROR) -> None:
+        state.fail(reason, kind)
         self._finish(state, events)
 
     def _finish(self, state: JobState, events: list[tuple[str, JobEvent]]) -> None:

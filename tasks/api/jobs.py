@@ -102,6 +102,9 @@ class Job(BaseModel):
     choices: list[JobChoice]
     finish_reason: str | None
     error: str | None
+    error_kind: Literal["invalid_request", "server_error"] | None = Field(
+        None, description="why a failed job failed: its request (a 400 from the OpenAI "
+        "endpoints) or the service (500); null otherwise, and on rows older than the field")
     usage: JobUsage | None
     timings: JobTimings
     created_at: str | None
