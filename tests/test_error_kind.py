@@ -118,3 +118,55 @@ def test_beat_fails_jobs_as_the_servers_fault(path, service_settings, session_fa
         assert job_id in fail_overdue_queued_jobs(settings, session_factory, redis_client)
     row = read_job(session_factory, job_id)
     assert (row.status, row.error_kind) == (JobStatus.FAILED.value, SERVER), row.error
+
+
+def test_an_openai_stream_answers_a_failed_job_by_its_kind(group, session_factory,  # noqa: F811
+                                                           service_settings, start_web):
+    """The stream's last data line before [DONE] is the error: a 400 naming the field for
+    a request the worker rejected, a 500 job_failed for a failed step."""
+    import json
+    import threading
+
+    from sqlalchemy import select
+
+    base_url = start_web(service_settings)
+
+    def stream_error(request_id: str, prepare) -> dict:
+        lines: list[str] = []
+
+        def consume() -> None:
+            with requests.post(f"{base_url}/v1/chat/completions", stream=True, timeout=60,
+                               headers={"X-Request-Id": request_id},
+                               json={"model": "tiny", "max_tokens": 4, "stream": True,
+                                     "messages": [{"role": "user", "content": "hi"}]}) as r:
+                lines.extend(line for line in r.iter_lines(decode_unicode=True) if line)
+
+        reader = threading.Thread(target=consume)
+        reader.start()
+
+        def created() -> str | None:
+            with session_factory() as session:
+                ids = session.scalars(select(Job.id).where(Job.request_id == request_id)).all()
+            return str(ids[0]) if ids else None
+
+        job_id = wait_for(created, 30, "the stream's job")
+        prepare(job_id)
+        group.admission.run(job_id)  # this test's group takes it, not a Celery worker
+        reader.join(60)
+        assert lines[-1] == "data: [DONE]", lines
+        return json.loads(lines[-2].removeprefix("data: "))["error"]
+
+    def bad_params(job_id: str) -> None:
+        with session_factory.begin() as session:
+            job = session.get(Job, uuid.UUID(job_id))
+            job.params = {**job.params, "temperature": "hot"}
+
+    error = stream_error(f"kind-{uuid.uuid4().hex}", bad_params)
+    assert (error["code"], error["param"], error["type"]) == (
+        "invalid_value", "temperature", "invalid_request_error")
+
+    def failing_step(job_id: str) -> None:
+        group.engine.fail_steps = 1
+
+    error = stream_error(f"kind-{uuid.uuid4().hex}", failing_step)
+    assert (error["code"], error["type"]) == ("job_failed", "server_error")
