@@ -29,7 +29,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from tasks.broker_queue import pending_job_ids
 from tasks.celery_app import send_generate
 from tasks.db import create_db_engine, make_sessionmaker, update_count, utcnow
-from tasks.models import Job, JobStatus
+from tasks.models import Job, JobErrorKind, JobStatus
 from tasks.protocol import (
     EXPIRE_STREAMS_TASK,
     RECLAIM_TASK,
@@ -80,7 +80,8 @@ def reclaim_expired_leases(
                 error = f"worker lost; gave up after {attempts} attempts"
                 values: dict[str, Any] = {
                     "status": JobStatus.FAILED.value, "finish_reason": "error", "error": error,
-                    "finished_at": now, "lease_expires_at": None,
+                    "error_kind": JobErrorKind.SERVER_ERROR.value, "finished_at": now,
+                    "lease_expires_at": None,
                 }
                 if update_count(session, still_expired.values(**values)):
                     failed.append((str(job_uuid), error))
@@ -142,7 +143,7 @@ def fail_overdue_queued_jobs(settings: Settings, session_factory: sessionmaker[S
             .where(Job.id.in_(list(candidates)), Job.status == JobStatus.QUEUED.value,
                    Job.created_at < cutoff)
             .values(status=JobStatus.FAILED.value, finish_reason="error", error=error,
-                    finished_at=now)
+                    error_kind=JobErrorKind.SERVER_ERROR.value, finished_at=now)
             .returning(Job.id)
         ).all()
     failed = [(job_uuid, candidates[job_uuid]) for job_uuid in changed]

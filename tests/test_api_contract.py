@@ -21,7 +21,7 @@ from webapp.openapi import OPERATIONS, build_openapi
 
 pytestmark = pytest.mark.integration
 
-EXAMPLES_PER_OPERATION = 110  # 11 operations: > 1,000 generated cases in all
+EXAMPLES_PER_OPERATION = 110  # 14 operations: > 1,500 generated cases in all
 CASES: list[str] = []
 
 
@@ -83,8 +83,17 @@ def test_the_document_is_valid_openapi_3_1_and_describes_streams():
                        "ignore_eos", "priority"):
         assert vllm_field in request
     listing = document["paths"]["/v1/jobs"]["get"]["parameters"]
-    assert {p["name"] for p in listing} == {"limit", "after", "status", "model",
-                                           "created_after", "created_before"}
+    assert {p["name"] for p in listing if p["in"] == "query"} == {
+        "limit", "after", "status", "model", "created_after", "created_before"}
+    for path, item in document["paths"].items():  # X-Request-Id in, and out of, all
+        for operation in item.values():
+            assert "X-Request-Id" in {p["name"] for p in operation["parameters"]}, path
+            for answer in operation["responses"].values():
+                assert "X-Request-Id" in answer["headers"], path
+    for path in ("/tokenize", "/detokenize", "/version"):
+        assert path in document["paths"]
+    assert {"root", "max_model_len"} <= set(document["components"]["schemas"]["Model"][
+        "properties"])
 
 
 def test_docs_page_and_its_assets_are_served_from_the_package(contract_app):

@@ -13,7 +13,18 @@ logger = logging.getLogger(__name__)
 
 def create_app(settings: Settings | None = None) -> Flask:
     """The API app for `settings` (default: `Settings.from_env()`). Connects to nothing yet."""
-    from webapp import dashboard, errors, events, jobs, meta, metrics, openai_api, openapi
+    from webapp import (
+        dashboard,
+        errors,
+        events,
+        jobs,
+        meta,
+        metrics,
+        openai_api,
+        openapi,
+        request_id,
+        tokens,
+    )
     from webapp.services import Services
 
     settings = settings if settings is not None else Settings.from_env()
@@ -22,10 +33,12 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.json.sort_keys = False  # type: ignore[attr-defined]  # keep our field order
     Services.build(settings).init_app(app)
     errors.register_error_handlers(app)
+    request_id.init_app(app)
     app.register_blueprint(jobs.bp)
     app.register_blueprint(events.bp)
     app.register_blueprint(meta.bp)
     app.register_blueprint(openai_api.bp)
+    app.register_blueprint(tokens.bp)
     app.register_blueprint(metrics.bp)
     app.register_blueprint(dashboard.bp)
     app.register_blueprint(openapi.bp)

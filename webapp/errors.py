@@ -16,6 +16,8 @@ import sqlalchemy.exc
 from flask import Flask, Response, jsonify
 from werkzeug.exceptions import HTTPException
 
+from tasks.models import JobErrorKind
+
 logger = logging.getLogger(__name__)
 
 _TYPE_BY_STATUS = {
@@ -65,9 +67,11 @@ def redis_unavailable() -> APIError:
                     "(operators: check LLMQ_REDIS_URL and that Redis is up)")
 
 
-# How the worker words a job it failed because of the request itself (checked before the
-# job reached a batch: the engine's `add_request` guards and the worker's parameter
-# check). Any other failure (a step that raised, a lost worker) is the server's fault.
+# A failed job's row says whose fault it was (`jobs.error_kind`, tasks.models.JobErrorKind):
+# the request itself (the engine's `add_request` guards, the worker's parameter check)
+# answers 400, anything else (a step that raised, a lost worker) 500. The param and code
+# of a 400 are read from the worker's wording; rows from before the kind was stored (NULL)
+# are judged by the wording alone.
 _PARAM_FAILURE = re.compile(  # tasks.params.InvalidParamError, maybe behind the prefix
     r"^(?:invalid job parameters: )?(?P<param>[a-z_]+)(?:\[\d+\])? must be ")
 _CONTEXT_FAILURES = (
@@ -77,17 +81,21 @@ _CONTEXT_FAILURES = (
 _REQUEST_FAILURES = (re.compile(r"^invalid job parameters: "), re.compile(r"^prompt is empty"))
 
 
-def failed_job_error(job_id: str, error: str | None) -> APIError:
+def failed_job_error(job_id: str, error: str | None, kind: str | None = None) -> APIError:
     """The answer to a request whose job failed: a 400 naming the field when the request
-    caused it (the worker rejected it before it ran), else a 500 `job_failed`."""
+    caused it (`kind` invalid_request: the worker rejected it before it ran), else a 500
+    `job_failed`. `kind` None (an old row, or a stream's error event): the wording decides."""
     message = f"job {job_id} failed: {error or 'unknown error'}"
+    if kind == JobErrorKind.SERVER_ERROR.value:
+        return APIError(500, "job_failed", message, type="server_error")
     text = error or ""
     match = _PARAM_FAILURE.match(text)
     if match is not None:
         return APIError(400, "invalid_value", message, match["param"])
     if any(pattern.search(text) for pattern in _CONTEXT_FAILURES):
         return APIError(400, "context_length_exceeded", message, "max_tokens")
-    if any(pattern.search(text) for pattern in _REQUEST_FAILURES):
+    if kind == JobErrorKind.INVALID_REQUEST.value or any(
+            pattern.search(text) for pattern in _REQUEST_FAILURES):
         return APIError(400, "invalid_value", message)
     return APIError(500, "job_failed", message, type="server_error")
 

@@ -24,6 +24,7 @@ from webapp.auth import current_api_key_id
 from webapp.errors import APIError, redis_unavailable
 from webapp.groups import context_len
 from webapp.model_registry import ModelLoadError, ServedModel, UnknownModelError
+from webapp.request_id import current_request_id
 from webapp.serialize import is_terminal, job_links, job_to_dict
 from webapp.services import Services, services
 
@@ -245,7 +246,8 @@ def submit_job(job_request: JobRequest, prompt_text: str | None, prompt_token_id
         api_key_id=api_key_id, model=job_request.model, kind=job_request.kind.value,
         prompt=prompt_text, messages=job_request.messages, prompt_token_ids=prompt_token_ids,
         params=job_request.params_dict(), priority=job_request.priority,
-        idempotency_key=idempotency_key, status=JobStatus.QUEUED.value, attempts=0,
+        idempotency_key=idempotency_key, request_id=current_request_id(),
+        status=JobStatus.QUEUED.value, attempts=0,
         prompt_tokens=len(prompt_token_ids), created_at=utcnow(),
     )
     try:

@@ -50,8 +50,10 @@ class ServedModel:
         """Token ids of a completion prompt (with the model's own special tokens, e.g. BOS)."""
         return list(self.tokenizer(prompt).input_ids)
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
-        """The prompt text of a chat: the tokenizer's chat template with the assistant cue.
+    def render_chat(self, messages: list[dict[str, str]], *,
+                    add_generation_prompt: bool = True) -> str:
+        """The prompt text of a chat: the tokenizer's chat template with the assistant cue
+        (unless `add_generation_prompt` is False).
 
         Raises ValueError when the model has no chat template or the template rejects the
         messages (e.g. roles out of order).
@@ -61,7 +63,7 @@ class ServedModel:
                              "of messages")
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=True)
+                                                      add_generation_prompt=add_generation_prompt)
         except Exception as exc:  # noqa: BLE001 - template errors are Jinja's own types
             raise ValueError(f"the chat template of {self.name!r} rejected the messages: "
                              f"{exc}") from None

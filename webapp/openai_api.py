@@ -206,7 +206,7 @@ def _wait_and_answer(svc: Services, job: Job, answer: Answer,
             break
     row = _reload(svc, job_id) or job
     if row.status == JobStatus.FAILED.value:
-        raise failed_job_error(job_id, row.error)
+        raise failed_job_error(job_id, row.error, row.error_kind)
     outputs = {int(o.get("index", 0)): o for o in (row.output or [])}
     choices = []
     for i in range(answer.n):
@@ -289,7 +289,9 @@ def _stream(svc: Services, job: Job, answer: Answer,
             # the terminal event
             finished = True
             if event.type is EventType.ERROR:
-                body = _error_body(failed_job_error(job_id, event.error))
+                row = _reload(svc, job_id)  # committed before its error event: the kind
+                kind = row.error_kind if row is not None else None
+                body = _error_body(failed_job_error(job_id, event.error, kind))
                 yield "data: " + json.dumps(body) + "\n\n"
                 yield "data: [DONE]\n\n"
                 return

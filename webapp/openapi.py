@@ -3,7 +3,9 @@ of `tasks.api`) and `/docs` (Swagger UI, its assets served from the `flask_swagg
 package: no CDN, works offline).
 
 Each operation is one row of `OPERATIONS`: its request body model, query model, headers
-and the models of its answers by status. The schemas are pydantic's
+and the models of its answers by status. Every operation takes an `X-Request-Id` header
+and every answer carries one (`webapp/request_id.py`); a malformed one is a 400, so
+every operation documents a 400. The schemas are pydantic's
 `models_json_schema()` (JSON Schema 2020-12, which OpenAPI 3.1 uses as it is).
 """
 
@@ -27,6 +29,16 @@ from tasks.api.openai import (
     ModelList,
 )
 from tasks.api.service import Health, Readiness
+from tasks.api.tokens import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    Version,
+)
+from webapp.request_id import HEADER as REQUEST_ID_HEADER
+from webapp.request_id import MAX_REQUEST_ID_CHARS
+from webapp.tokens import package_version
 
 bp = Blueprint("openapi", __name__)
 
@@ -68,6 +80,12 @@ IDEMPOTENCY_KEY = Param("Idempotency-Key", "header", "1 to 200 characters: a ret
                         "different request is a 422",
                         schema={"type": "string", "minLength": 1, "maxLength": 200})
 _OPENAI_ERRORS = _errors(400, 401, 404, 413, 422, 429, 500, 503, 504)
+REQUEST_ID = Param(REQUEST_ID_HEADER, "header", f"1 to {MAX_REQUEST_ID_CHARS} printable "
+                   "ASCII characters, echoed in the answer and stored on a created job; "
+                   "without it the server makes one (req_<32 hex>)",
+                   schema={"type": "string", "minLength": 1,
+                           "maxLength": MAX_REQUEST_ID_CHARS,
+                           "pattern": "^[!-~]([ -~]*[!-~])?$"})
 
 OPERATIONS: tuple[Operation, ...] = (
     Operation("post", "/v1/jobs", "createJob", "Submit a job (202); a repeated "
@@ -103,6 +121,16 @@ OPERATIONS: tuple[Operation, ...] = (
               body=ChatCompletionRequest, params=(IDEMPOTENCY_KEY,)),
     Operation("get", "/v1/models", "listModels", "Served models and their live device groups",
               "openai", {200: {JSON: ModelList}, **_errors(401, 503)}),
+    Operation("post", "/tokenize", "tokenize", "vLLM's tokenize: the token ids of a prompt, "
+              "or of a chat rendered with the model's template", "vllm",
+              {200: {JSON: TokenizeResponse}, **_errors(400, 401, 404, 413, 503)},
+              body=TokenizeRequest),
+    Operation("post", "/detokenize", "detokenize", "vLLM's detokenize: the text of token ids "
+              "(each below the model's vocab_size)", "vllm",
+              {200: {JSON: DetokenizeResponse}, **_errors(400, 401, 404, 413, 503)},
+              body=DetokenizeRequest),
+    Operation("get", "/version", "version", "The llmq package's version", "service",
+              {200: {JSON: Version}}),
     Operation("get", "/health", "health", "Liveness", "service", {200: {JSON: Health}}),
     Operation("get", "/ready", "ready", "Readiness: database, Redis and a live worker per "
               "model", "service", {200: {JSON: Readiness}, 503: {JSON: Readiness}}),
@@ -110,11 +138,11 @@ OPERATIONS: tuple[Operation, ...] = (
               {200: {"text/plain": None}}),
 )
 # documented in components though no operation names them directly (stream chunks)
-EXTRA_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionChunk,)
+EXTRA_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionChunk, ErrorResponse)
 
 
-def build_openapi(version: str = "0.1.0") -> dict[str, Any]:
-    """The OpenAPI 3.1 document of `OPERATIONS`."""
+def build_openapi(version: str | None = None) -> dict[str, Any]:
+    """The OpenAPI 3.1 document of `OPERATIONS` (`version`: the package's by default)."""
     models: list[type[BaseModel]] = list(EXTRA_MODELS)
     for op in OPERATIONS:
         if op.body is not None:
@@ -130,11 +158,12 @@ def build_openapi(version: str = "0.1.0") -> dict[str, Any]:
         paths.setdefault(op.path, {})[op.method] = _operation(op, refs)
     return {
         "openapi": "3.1.0",
-        "info": {"title": "llmq", "version": version,
+        "info": {"title": "llmq", "version": version or package_version(),
                  "description": "LLM completions as durable asynchronous jobs: the jobs API "
                  "and OpenAI's completions and chat completions over the same jobs. Errors "
                  "are OpenAI's shape: {\"error\": {type, message, param, code}}."},
-        "tags": [{"name": "jobs"}, {"name": "openai"}, {"name": "service"}],
+        "tags": [{"name": "jobs"}, {"name": "openai"}, {"name": "vllm"},
+                 {"name": "service"}],
         "paths": paths,
         "components": {
             "schemas": schemas,
@@ -148,7 +177,7 @@ def build_openapi(version: str = "0.1.0") -> dict[str, Any]:
 def _operation(op: Operation, refs: dict[Any, dict[str, Any]]) -> dict[str, Any]:
     body: dict[str, Any] = {"operationId": op.operation_id, "summary": op.summary,
                             "tags": [op.tag]}
-    parameters = [_param(p) for p in op.params]
+    parameters = [_param(p) for p in (*op.params, REQUEST_ID)]
     if op.query is not None:
         query_schema = op.query.model_json_schema()
         required = set(query_schema.get("required", []))
@@ -164,15 +193,18 @@ def _operation(op: Operation, refs: dict[Any, dict[str, Any]]) -> dict[str, Any]
         body["requestBody"] = {"required": True, "content": {
             JSON: {"schema": refs[(op.body, "validation")]}}}
     responses: dict[str, Any] = {}
-    for status, media in sorted(op.responses.items()):
+    # NOTE: a malformed X-Request-Id is a 400 on any operation
+    for status, media in sorted({**_errors(400), **op.responses}.items()):
         content = {kind: ({"schema": refs[(model, "validation")]} if model is not None
                           else {"schema": {"type": "string"}})
                    for kind, model in media.items()}
-        responses[str(status)] = {"description": _DESCRIPTIONS.get(status, "answer"),
-                                  "content": content}
+        headers = {REQUEST_ID_HEADER: {"description": "the request's id (the client's, or "
+                                       "one the server made)", "schema": {"type": "string"}}}
         if status == 429:
-            responses[str(status)]["headers"] = {"Retry-After": {
-                "description": "seconds to wait", "schema": {"type": "integer"}}}
+            headers["Retry-After"] = {"description": "seconds to wait",
+                                      "schema": {"type": "integer"}}
+        responses[str(status)] = {"description": _DESCRIPTIONS.get(status, "answer"),
+                                  "content": content, "headers": headers}
     body["responses"] = responses
     return body
 

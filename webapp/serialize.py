@@ -45,6 +45,8 @@ def job_to_dict(job: Job, live_output: dict[int, str] | None = None) -> dict[str
         "choices": choices,
         "finish_reason": job.finish_reason,
         "error": job.error,
+        "error_kind": job.error_kind,
+        "request_id": job.request_id,
         "usage": _usage(job),
         "timings": _timings(job),
         "created_at": _iso(job.created_at),

@@ -23,7 +23,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from tasks.db import utcnow
-from tasks.models import Job, JobStatus
+from tasks.models import Job, JobErrorKind, JobStatus
 from tasks.params import SamplingParams
 from tasks.protocol import EventType, JobEvent, cancel_flag_key
 from tasks.settings import Settings
@@ -146,7 +146,8 @@ class JobAdmission:
             job = _admitted_job(job_id, row, attempt)
         except (TypeError, ValueError) as exc:
             logger.info("job %s has bad parameters: %s", job_id, exc)
-            self._end(job_id, attempt, JobStatus.FAILED, f"invalid job parameters: {exc}")
+            self._end(job_id, attempt, JobStatus.FAILED, f"invalid job parameters: {exc}",
+                      JobErrorKind.INVALID_REQUEST)
             return GenerateOutcome.FAILED
         if self._cancel_requested(job_id):
             logger.info("job %s was cancelled before it started", job_id)
@@ -190,7 +191,8 @@ class JobAdmission:
             logger.warning("could not read the cancel flag of job %s", job_id, exc_info=True)
             return False
 
-    def _end(self, job_id: str, attempt: int, status: JobStatus, error: str | None) -> None:
+    def _end(self, job_id: str, attempt: int, status: JobStatus, error: str | None,
+             error_kind: JobErrorKind | None = None) -> None:
         """Finish a job that never reached the engine (row first, then the event)."""
         reason = FinishReason.ERROR if status is JobStatus.FAILED else FinishReason.CANCELLED
         event_type = EventType.ERROR if status is JobStatus.FAILED else EventType.CANCELLED
@@ -200,7 +202,7 @@ class JobAdmission:
             job_id=job_id, status=status, finish_reason=reason.value, error=error,
             output=[], output_text="", prompt_tokens=0, completion_tokens=0, cached_tokens=0,
             event=JobEvent(event_type, finish_reason=reason.value, error=error, usage=usage),
-            attempt=attempt,
+            attempt=attempt, error_kind=error_kind,
         ))
 
 

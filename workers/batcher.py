@@ -21,7 +21,9 @@ request itself and counts consecutive failed steps (`num_consecutive_failed_step
 exception that escapes `engine.step()` counts as a failed step too (`workers/step_health.py`).
 Once that count reaches `max_consecutive_failed_steps`, the step's jobs are NOT failed: the
 batcher stops and hands every job back (`on_unhealthy`), since a device that keeps failing
-says nothing about the jobs.
+says nothing about the jobs. A `DeviceGroupError` (a lost tensor-parallel rank, a broken
+device) trips it at the first step, and so does `trip()` from another thread (the runner's
+failure callback while the group is idle).
 
 Fencing: every event carries its job's attempt; a job whose row moved on (the writer's
 write matched no row, or a lease renewal found it reclaimed) is dropped between steps
@@ -40,11 +42,13 @@ from typing import Any, Protocol
 
 from tasks.db import utcnow
 from tasks.metrics import WorkerMetrics
+from tasks.models import JobErrorKind
 from tasks.params import SamplingParams
 from tasks.protocol import JobEvent
 from tasks.streams.publish import EventPublisher
 from workers.admitted import AdmittedJob
 from workers.engine.config import EngineStats
+from workers.engine.errors import DeviceGroupError
 from workers.engine.outputs import CompletionDelta
 from workers.inbox import JobInbox
 from workers.job_rows import JobProgress, JobResult
@@ -182,6 +186,12 @@ class Batcher:
         """`attempt` of `job_id` is no longer ours: drop it between steps, silently."""
         self._inbox.lose(job_id, attempt)
 
+    def trip(self, reason: str) -> None:
+        """The device group failed: end the loop after the step in flight (or at once when
+        idle) and hand every job back through `on_unhealthy`."""
+        self.health.trip(reason)
+        self._inbox.stop_admitting()
+
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
@@ -199,10 +209,13 @@ class Batcher:
             # can change while it waits: only the inbox can bring work.
             if not (self._jobs or self.engine.has_unfinished_requests()):
                 while not self._inbox.wait(self.stats_interval):
+                    if self.health.tripped is not None:
+                        break
                     self.health.idle()
                     self._refresh_stats(force=True)  # idle: keep the load figures fresh
             work = self._inbox.take()
-            if work.stopping:
+            if work.stopping or self.health.tripped is not None:  # drain, or trip() idle
+                self._inbox.stop_admitting()
                 self._abort_everything(work.jobs)
                 break
             events: list[tuple[str, JobEvent]] = []
@@ -267,7 +280,7 @@ class Batcher:
                 )
             except ValueError as exc:
                 logger.info("job %s rejected by the engine: %s", job.job_id, exc)
-                self._fail(state, str(exc), events)
+                self._fail(state, str(exc), events, JobErrorKind.INVALID_REQUEST)
                 continue
             except Exception as exc:
                 logger.exception("adding job %s to the engine failed", job.job_id)
@@ -293,6 +306,12 @@ class Batcher:
     def _step(self, events: list[tuple[str, JobEvent]]) -> None:
         try:
             deltas = self.health.run(self.engine.step)
+        except DeviceGroupError as exc:
+            # NOTE: the group, not the jobs: hand them back (the loop ends)
+            logger.error("device group failed in a step (%s); handing back %d jobs", exc,
+                         len(self._jobs))
+            self.health.trip(f"device error: {exc}")
+            return
         except Exception as exc:  # fail the batch, keep the thread
             reason = f"engine step failed: {type(exc).__name__}: {exc}"
             if self.health.step_raised(reason):
@@ -338,8 +357,9 @@ class Batcher:
             if state.all_finished:
                 self._finish(state, events)
 
-    def _fail(self, state: JobState, reason: str, events: list[tuple[str, JobEvent]]) -> None:
-        state.fail(reason)
+    def _fail(self, state: JobState, reason: str, events: list[tuple[str, JobEvent]],
+              kind: JobErrorKind = JobErrorKind.SERVER_ERROR) -> None:
+        state.fail(reason, kind)
         self._finish(state, events)
 
     def _finish(self, state: JobState, events: list[tuple[str, JobEvent]]) -> None:

@@ -19,7 +19,7 @@ from sqlalchemy import DateTime, Table, Update, bindparam, func, tuple_, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from tasks.db import update_count, utcnow
-from tasks.models import Job, JobStatus
+from tasks.models import Job, JobErrorKind, JobStatus
 from tasks.protocol import JobEvent
 
 logger = logging.getLogger(__name__)
@@ -44,6 +44,7 @@ class JobResult:
     # the claim this result belongs to (jobs.attempts after it); None only for a row
     # written by hand, which is then fenced by status and worker alone
     attempt: int | None = None
+    error_kind: JobErrorKind | None = None  # set when status is failed: 400 or 500 to clients
 
 
 @dataclass(slots=True)
@@ -192,7 +193,7 @@ def unstorable(result: JobResult, exc: Exception) -> JobResult:
                      completion_tokens=result.completion_tokens,
                      cached_tokens=result.cached_tokens, event=event,
                      first_token_at=result.first_token_at, finished_at=result.finished_at,
-                     attempt=result.attempt)
+                     attempt=result.attempt, error_kind=JobErrorKind.SERVER_ERROR)
 
 
 def _progress(item: JobProgress) -> dict[str, Any]:
@@ -204,6 +205,7 @@ def _progress(item: JobProgress) -> dict[str, Any]:
 def _result(item: JobResult) -> dict[str, Any]:
     values: dict[str, Any] = {
         "status": item.status.value, "finish_reason": item.finish_reason, "error": item.error,
+        "error_kind": item.error_kind.value if item.error_kind is not None else None,
         "output": item.output, "output_text": item.output_text,
         "prompt_tokens": item.prompt_tokens, "completion_tokens": item.completion_tokens,
         "cached_tokens": item.cached_tokens, "finished_at": item.finished_at,

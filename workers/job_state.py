@@ -10,7 +10,7 @@ from datetime import datetime
 from typing import Any
 
 from tasks.metrics import JobFigures
-from tasks.models import JobStatus
+from tasks.models import JobErrorKind, JobStatus
 from tasks.protocol import EventType, JobEvent
 from workers.admitted import AdmittedJob
 from workers.engine.outputs import CompletionDelta, FinishReason
@@ -25,7 +25,7 @@ class JobState:
     """Accumulated output of one job (n samples)."""
 
     __slots__ = ("job", "texts", "token_ids", "finish_reasons", "num_prompt_tokens",
-                 "num_cached_tokens", "first_token_at", "error")
+                 "num_cached_tokens", "first_token_at", "error", "error_kind")
 
     def __init__(self, job: AdmittedJob) -> None:
         n = job.num_samples
@@ -37,6 +37,7 @@ class JobState:
         self.num_cached_tokens = 0
         self.first_token_at: datetime | None = None
         self.error: str | None = None
+        self.error_kind: JobErrorKind | None = None  # set with `error`
 
     @property
     def all_finished(self) -> bool:
@@ -59,8 +60,11 @@ class JobState:
             reason = delta.finish_reason or FinishReason.STOP
             self.finish_reasons[index] = reason.value
             if reason is FinishReason.ERROR and self.error is None:
-                # the engine failed this request alone (a step that raised for it)
+                # the engine failed this request alone (a step that raised for it, a
+                # grammar that did not compile): it passed the API's checks, so the
+                # service failed it
                 self.error = delta.error or "the model step failed for this request"
+                self.error_kind = JobErrorKind.SERVER_ERROR
         if not delta.new_token_ids and not delta.text:
             return None
         return JobEvent(
@@ -76,8 +80,10 @@ class JobState:
             if reason is None:
                 self.finish_reasons[i] = FinishReason.CANCELLED.value
 
-    def fail(self, reason: str) -> None:
+    def fail(self, reason: str, kind: JobErrorKind = JobErrorKind.SERVER_ERROR) -> None:
+        """End every unfinished sample with `reason`; `kind`: whose fault it is."""
         self.error = reason
+        self.error_kind = kind
         for i, finish in enumerate(self.finish_reasons):
             if finish is None:
                 self.finish_reasons[i] = FinishReason.ERROR.value
@@ -129,6 +135,7 @@ class JobState:
             event=event,
             first_token_at=self.first_token_at,
             attempt=self.job.attempt,
+            error_kind=self.error_kind if self.error is not None else None,
         )
 
     def figures(self, result: JobResult) -> JobFigures:

@@ -8,8 +8,8 @@
 
 Device groups (docs/device-groups.md): `--devices` split into groups of `--tp`; with
 several groups and no `--group-index`, this process supervises one child worker per group
-(`workers.groups`); otherwise it runs one group. A group whose TP rank dies fails its
-running jobs, stops consuming and exits non-zero.
+(`workers.groups`); otherwise it runs one group. A group whose TP rank dies hands its
+running jobs back to the queue, stops consuming and exits non-zero.
 
 Settings come from `LLMQ_*` (`Settings.from_env()`); flags override them. The group's
 engine and threads are `workers.runtime.GroupRuntime`; the Celery task and the bootstep

@@ -8,12 +8,11 @@ claim, wait for room, hand over). `stop()` drains: stop admitting, let running j
 within `settings.drain_grace_seconds`, requeue the rest (row back to queued, a `restart`
 event, a new generate message), flush the writer, remove the heartbeat.
 
-A TP rank lost (`runner.on_failure`) fails the running jobs, stops admission and sends
-the process SIGTERM, so Celery's warm shutdown drains it and `workers.main` exits non-zero.
-
 The circuit breaker (DESIGN.md section 1): `settings.max_consecutive_step_failures`
-failed steps in a row (the batcher counts them), or a step running past
-`settings.step_timeout_seconds` (the watchdog thread here), TRIP the group: it stops
+failed steps in a row (the batcher counts them), a device error (a step raising
+`DeviceGroupError`, or the runner's failure callback: a lost tensor-parallel rank), or a
+step running past `settings.step_timeout_seconds` (the watchdog thread here), TRIP the
+group: it stops
 claiming, hands every job back to the queue without spending its attempt, publishes
 nothing more for them, says `healthy: false` in its heartbeat, and exits non-zero. A
 hung batcher thread is a daemon and is never joined, so it cannot keep the process alive.
@@ -150,19 +149,11 @@ class GroupRuntime:
         logger.info("group %s serving queue %s", self.group_id, s.queue_for(self.model_name))
 
     def _on_runner_failure(self, reason: str) -> None:
-        """A TP rank is lost: admit nothing more, let the batcher fail the running jobs
-        (its step raises), then stop the worker so the queue goes to healthy groups."""
-        self.failure = reason
+        """A TP rank is lost (the runner's watcher thread): trip the group. The batcher
+        ends after the step in flight (it raises `DeviceGroupError`), or at once when idle,
+        and `_on_breaker` hands its jobs back."""
         logger.error("group %s cannot run another step (%s); stopping", self.group_id, reason)
-        self.batcher.stop_admitting()  # waiting and new messages go back to the queue
-
-        def stop_worker() -> None:
-            deadline = time.monotonic() + self.tp_timeout_seconds + 10.0
-            while self.batcher.load().num_jobs and time.monotonic() < deadline:
-                time.sleep(0.1)
-            os.kill(os.getpid(), signal.SIGTERM)  # Celery's warm shutdown runs our drain
-
-        threading.Thread(target=stop_worker, name="llmq-group-failed", daemon=True).start()
+        self.batcher.trip(f"device error: {reason}")
 
     def _wait_for_redis(self) -> None:
         """A worker started before Redis waits for it (broker, streams, heartbeat)."""

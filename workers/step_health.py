@@ -4,9 +4,10 @@ renewal read (DESIGN.md section 1).
 The batcher runs every `engine.step()` through `StepHealth.run` and reports how it went.
 A step fails when it raises, or when the engine isolated a failing request inside it (the
 engine's `num_consecutive_failed_steps`); `max_consecutive_failed_steps` failures in a
-row TRIP the group (`tripped` says why). `step_started_at` lets the runtime's watchdog see
-a step that hangs; `last_progress_at` lets the writer renew leases only while steps
-complete.
+row TRIP the group (`tripped` says why), and so does one device error (`trip`: a lost
+tensor-parallel rank, a broken device; nothing to count). `step_started_at` lets the
+runtime's watchdog see a step that hangs; `last_progress_at` lets the writer renew leases
+only while steps complete.
 """
 
 from __future__ import annotations
@@ -56,6 +57,11 @@ class StepHealth:
             self.tripped = (f"{self.num_consecutive_failed_steps} consecutive failed steps "
                             f"(last: {reason})")
         return self.tripped is not None
+
+    def trip(self, reason: str) -> None:
+        """The device group itself failed: trip at once (the first reason wins)."""
+        if self.tripped is None:
+            self.tripped = reason
 
     def step_completed(self, num_engine_failed_steps: int) -> bool:
         """A step returned; the engine counts the failed requests it isolated (0 after a

@@ -102,6 +102,11 @@ class Job(BaseModel):
     choices: list[JobChoice]
     finish_reason: str | None
     error: str | None
+    error_kind: Literal["invalid_request", "server_error"] | None = Field(
+        None, description="why a failed job failed: its request (a 400 from the OpenAI "
+        "endpoints) or the service (500); null otherwise, and on rows older than the field")
+    request_id: str | None = Field(None, description="the X-Request-Id of the request that "
+                                   "created the job (the client's, or one the server made)")
     usage: JobUsage | None
     timings: JobTimings
     created_at: str | None
