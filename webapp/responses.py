@@ -1,0 +1,283 @@
+"""OpenAI's Responses API over durable jobs (`/v1/responses`): create, retrieve (or replay
+and follow its events), cancel, delete.
+
+A response is a chat job underneath (its `job_id` is in the body and the `X-Llmq-Job-Id`
+header, so `/v1/jobs/<id>` shows it too) plus a `responses` row with what only the
+response has. `background: true` answers the queued response at once; the job runs
+whatever the client does. Without it, a non-streaming request waits for the job (up to
+`settings.request_timeout_seconds`, then it is cancelled: a 504), and a streaming
+request whose client disconnects cancels the job, as the OpenAI endpoints do.
+Stream events and their numbering: `webapp/response_events.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Iterator
+
+from flask import Blueprint, Response, jsonify
+from sqlalchemy import update
+
+from tasks.api.responses import ResponseCreateRequest, ResponseRetrieveQuery
+from tasks.db import utcnow
+from tasks.models import Job, JobStatus, StoredResponse
+from tasks.protocol import events_key
+from tasks.schema import SchemaError, build_job_request
+from tasks.streams.reader import Park, current_output
+from webapp.auth import current_api_key_id
+from webapp.errors import APIError
+from webapp.groups import context_len
+from webapp.jobs import cancel, json_body, parse_query, served_model, submit_job, tokenize
+from webapp.openai_api import _cancel_quietly, _job_events, _reload
+from webapp.response_events import ResponseEvents, sse_lines
+from webapp.response_objects import (
+    conversation,
+    input_messages,
+    message_id,
+    parse_response_request,
+    response_id,
+    response_object,
+)
+from webapp.services import Services, services
+from webapp.streaming import event_stream_response
+
+logger = logging.getLogger(__name__)
+
+bp = Blueprint("responses", __name__, url_prefix="/v1/responses")
+
+CANCEL_WAIT_SECONDS = 5.0  # a running job's worker stops it at its next step
+_POLL_SECONDS = 0.05
+
+
+@bp.post("")
+def create_response() -> Response:
+    """Validate, build the conversation, submit its chat job, store the response row."""
+    svc = services()
+    api_key_id = current_api_key_id()
+    try:
+        req = parse_response_request(json_body())
+        own_input = input_messages(req)
+    except SchemaError as exc:
+        raise APIError(400, "invalid_value", exc.message, exc.param) from None
+    previous = None
+    if req.previous_response_id is not None:
+        previous = _previous(svc, req.previous_response_id, api_key_id)
+    messages = conversation(req, own_input, previous)
+    max_tokens = req.max_output_tokens or max(req.min_tokens or 1, 1)  # placeholder: below
+    try:
+        job_request = build_job_request(req, prompt=None, prompt_token_ids=None,
+                                        messages=messages, max_tokens=max_tokens,
+                                        logprobs=None, max_n=1)
+    except SchemaError as exc:
+        raise _renamed(APIError(400, "invalid_value", exc.message, exc.param)) from None
+    model = served_model(req.model)
+    try:
+        prompt_text, prompt_token_ids = tokenize(model, job_request)
+    except APIError as exc:
+        raise _renamed(exc) from None
+    if req.max_output_tokens is None:
+        job_request.params.max_tokens = max(job_request.params.min_tokens, 1,
+                                            context_len(model) - len(prompt_token_ids))
+    job, _ = submit_job(job_request, prompt_text, prompt_token_ids, api_key_id=api_key_id)
+    stored = _store(svc, req, job, own_input)
+    headers = {"X-Llmq-Job-Id": str(job.id)}
+    if req.stream:
+        background = bool(req.background)
+        return event_stream_response(
+            lambda _sink, cooperative: _stream(svc, stored, job, -1, not background,
+                                               cooperative), headers)
+    if not req.background:
+        _wait(svc, str(job.id))
+        job = _reload(svc, str(job.id)) or job
+    return Response(json.dumps(response_object(stored, job), separators=(",", ":")),
+                    mimetype="application/json", headers=headers)
+
+
+@bp.get("/<response_id>")
+def get_response(response_id: str) -> Response:
+    """The response (output so far while it runs); `?stream=true[&starting_after=N]`: its
+    events after N, stored then live, until the terminal one."""
+    svc = services()
+    query: ResponseRetrieveQuery = parse_query(ResponseRetrieveQuery)
+    if query.starting_after is not None and not query.stream:
+        raise APIError(400, "invalid_value", "starting_after needs stream=true",
+                       "starting_after")
+    stored, job = load_response(response_id)
+    if query.stream:
+        svc.redis.ping()  # Redis down -> 503 now, not a broken stream later
+        after = -1 if query.starting_after is None else query.starting_after
+        return event_stream_response(
+            lambda _sink, cooperative: _stream(svc, stored, job, after, False, cooperative),
+            {"X-Llmq-Job-Id": str(job.id)})
+    text = None
+    if job.status == JobStatus.RUNNING.value:
+        text = current_output(svc.subscriber.read_events(str(job.id))).get(0, "")
+    return jsonify(response_object(stored, job, text=text))
+
+
+@bp.post("/<response_id>/cancel")
+def cancel_response(response_id: str) -> Response:
+    """Cancel a background response. A finished one is answered as it is (cancelling is
+    idempotent, as OpenAI's background mode documents)."""
+    svc = services()
+    stored, job = load_response(response_id)
+    if not stored.background:
+        raise APIError(400, "invalid_value", f"response {response_id} was not created with "
+                       "background: true; only background responses can be cancelled",
+                       "response_id")
+    job_id = str(job.id)
+    if not JobStatus(job.status).is_terminal:
+        cancel(svc, job)
+        deadline = time.monotonic() + CANCEL_WAIT_SECONDS
+        while time.monotonic() < deadline:
+            job = _reload(svc, job_id) or job
+            if JobStatus(job.status).is_terminal:
+                break
+            time.sleep(_POLL_SECONDS)
+    return jsonify(response_object(stored, job))
+
+
+@bp.delete("/<response_id>")
+def delete_response(response_id: str) -> Response:
+    """Delete a response (and cancel its job if it still runs): later reads are a 404."""
+    svc = services()
+    stored, job = load_response(response_id)
+    with svc.session_factory.begin() as session:
+        session.execute(update(StoredResponse).where(StoredResponse.id == stored.id)
+                        .values(deleted=True))
+    if not JobStatus(job.status).is_terminal:
+        _cancel_quietly(svc, str(job.id))
+    logger.info("response %s deleted (job %s)", stored.id, job.id)
+    return jsonify({"id": stored.id, "object": "response.deleted", "deleted": True})
+
+
+def _renamed(error: APIError) -> APIError:
+    """An error about the job's fields in the Responses API's names (`max_output_tokens`,
+    `input`)."""
+    names = {"max_tokens": "max_output_tokens", "messages": "input", "prompt": "input"}
+    if error.param not in names:
+        return error
+    name = names[error.param]
+    return APIError(error.status, error.code, error.message.replace(error.param, name), name)
+
+
+def load_response(response_id: str) -> tuple[StoredResponse, Job]:
+    """The caller's stored response and its job, or a 404 (also for another key's
+    response, a deleted one and one created with store: false)."""
+    found = _visible(services(), response_id, current_api_key_id())
+    if found is None:
+        raise APIError(404, "response_not_found", f"no response {response_id!r}",
+                       "response_id")
+    return found
+
+
+def _visible(svc: Services, response_id: str,
+             api_key_id: uuid.UUID | None) -> tuple[StoredResponse, Job] | None:
+    with svc.session_factory() as session:
+        stored = session.get(StoredResponse, response_id)
+        if stored is None or stored.deleted or not stored.store:
+            return None
+        if svc.settings.auth_enabled and stored.api_key_id != api_key_id:
+            return None
+        job = session.get(Job, stored.job_id)
+    return None if job is None else (stored, job)
+
+
+def _previous(svc: Services, previous_id: str,
+              api_key_id: uuid.UUID | None) -> tuple[StoredResponse, Job]:
+    found = _visible(svc, previous_id, api_key_id)
+    if found is None:
+        raise APIError(400, "previous_response_not_found", f"previous response with id "
+                       f"{previous_id!r} not found", "previous_response_id")
+    if not JobStatus(found[1].status).is_terminal:
+        raise APIError(400, "previous_response_in_progress", f"previous response "
+                       f"{previous_id!r} has not finished; continue it once it has",
+                       "previous_response_id")
+    return found
+
+
+def _store(svc: Services, req: ResponseCreateRequest, job: Job,
+           own_input: list[dict[str, str]]) -> StoredResponse:
+    stored = StoredResponse(
+        id=response_id(job), job_id=job.id, api_key_id=job.api_key_id,
+        previous_response_id=req.previous_response_id, instructions=req.instructions,
+        input=own_input, background=bool(req.background), store=req.store is not False,
+        max_output_tokens=req.max_output_tokens, meta=req.metadata, created_at=utcnow(),
+        deleted=False)
+    try:
+        with svc.session_factory.begin() as session:
+            session.add(stored)
+    except Exception:
+        # the job must not run for a response nobody can see
+        _cancel_quietly(svc, str(job.id))
+        raise
+    logger.info("response %s stored (job %s, background %s)", stored.id, job.id,
+                stored.background)
+    return stored
+
+
+def _wait(svc: Services, job_id: str) -> None:
+    """Until the job ends; a 504 (and the job cancelled) after the request timeout."""
+    deadline = time.monotonic() + svc.settings.request_timeout_seconds
+    for event in _job_events(svc, job_id):
+        if time.monotonic() > deadline:
+            _cancel_quietly(svc, job_id)
+            raise APIError(504, "timeout", f"response of job {job_id} did not finish within "
+                           f"{svc.settings.request_timeout_seconds:.0f}s and was cancelled; "
+                           "use background: true for long generations")
+        if event is not None and not isinstance(event, Park) and event.type.is_terminal:
+            return
+
+
+def _stream(svc: Services, stored: StoredResponse, job: Job, starting_after: int,
+            cancel_on_close: bool, cooperative: bool) -> Iterator[str | Park]:
+    """The response's events numbered after `starting_after`; closing this generator
+    before the end cancels the job when `cancel_on_close` (a non-background create)."""
+    job_id = str(job.id)
+    events = ResponseEvents(
+        item_id=message_id(job), created_status="queued" if stored.background else "in_progress",
+        snapshot=lambda status: response_object(stored, job, status=status))
+    finished = False
+    try:
+        yield from sse_lines(events.preamble(), starting_after)
+        row = _reload(svc, job_id) or job
+        if JobStatus(row.status).is_terminal and not svc.redis.exists(events_key(svc.settings,
+                                                                                 job_id)):
+            logger.info("response %s: the job's stream expired; events rebuilt from the row",
+                        stored.id)
+            finished = True
+            yield from sse_lines(events.finish(response_object(stored, row)), starting_after)
+            return
+        for item in _job_events(svc, job_id, cooperative):
+            if isinstance(item, Park):
+                yield item
+            elif item is None:
+                yield ": ping\n\n"  # also how a closed connection is noticed
+            elif item.type.is_terminal:
+                finished = True
+                row = _final_row(svc, job_id, row)
+                yield from sse_lines(events.finish(response_object(stored, row)),
+                                     starting_after)
+                return
+            else:
+                yield from sse_lines(events.feed(item), starting_after)
+    finally:
+        if not finished and cancel_on_close:
+            logger.info("response %s: stream closed before the end; cancelling job %s",
+                        stored.id, job_id)
+            _cancel_quietly(svc, job_id)
+
+
+
+def _final_row(svc: Services, job_id: str, row: Job) -> Job:
+    """The job's row once terminal. NOTE: the row is written before the terminal event is
+    published, so this is at once but for a database blip; it waits a little then."""
+    deadline = time.monotonic() + CANCEL_WAIT_SECONDS
+    while True:
+        row = _reload(svc, job_id) or row
+        if JobStatus(row.status).is_terminal or time.monotonic() > deadline:
+            return row
+        time.sleep(_POLL_SECONDS)
