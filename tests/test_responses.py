@@ -4,12 +4,11 @@ Plus the event numbering on its own (`webapp/response_events.py`)."""
 
 from __future__ import annotations
 
-import uuid
-
 import openai
 import pytest
 import requests
 
+from tasks.auth import create_api_key
 from tasks.models import JobStatus
 from tasks.protocol import EventType, JobEvent, events_key
 from tests.pipeline_helpers import read_job, running_worker, wait_for, wait_terminal
@@ -292,12 +291,30 @@ def test_unsupported_input_is_a_400_naming_the_field(base_url, session_factory, 
 
 
 @pytest.mark.integration
-def test_another_keys_response_is_not_found(base_url, service_settings, redis_client):
-    missing = requests.get(f"{base_url}/v1/responses/resp_{uuid.uuid4().hex}", timeout=30)
-    assert missing.status_code == 404
-    assert missing.json()["error"]["param"] == "response_id"
-    bad = requests.get(f"{base_url}/v1/responses/x?starting_after=3", timeout=30)
-    assert bad.status_code in (400, 404)
+def test_a_response_belongs_to_its_key(start_web, service_settings, session_factory, worker):
+    api = start_web(service_settings.with_overrides(auth_enabled=True))
+    alice = openai.OpenAI(base_url=api + "/v1", api_key=create_api_key(session_factory,
+                                                                      "alice")[1],
+                          max_retries=0, timeout=120)
+    bob = openai.OpenAI(base_url=api + "/v1", api_key=create_api_key(session_factory, "bob")[1],
+                        max_retries=0, timeout=120)
+    mine = alice.responses.create(model="tiny", input="hi", max_output_tokens=2)
+    assert alice.responses.retrieve(mine.id).status in ("completed", "incomplete")
+    for call in (lambda: bob.responses.retrieve(mine.id), lambda: bob.responses.cancel(mine.id),
+                 lambda: bob.responses.delete(mine.id)):
+        with pytest.raises(openai.NotFoundError) as info:
+            call()
+        assert info.value.body["param"] == "response_id"
+    with pytest.raises(openai.BadRequestError) as info:  # nor can bob continue it
+        bob.responses.create(model="tiny", input="and?", previous_response_id=mine.id)
+    assert info.value.code == "previous_response_not_found"
+    assert alice.responses.retrieve(mine.id).id == mine.id  # still there for alice
+
+
+@pytest.mark.integration
+def test_starting_after_needs_stream(base_url):
+    answer = requests.get(f"{base_url}/v1/responses/resp_x?starting_after=3", timeout=30)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "starting_after"
 
 
 @pytest.mark.integration

@@ -18,7 +18,7 @@ MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
 RESPONSE_STATUSES = ("queued", "in_progress", "completed", "incomplete", "failed", "cancelled")
 
-MetadataKey = Annotated[str, Field(max_length=MAX_METADATA_KEY_CHARS)]
+MetadataKey = Annotated[Text, Field(max_length=MAX_METADATA_KEY_CHARS)]
 MetadataValue = Annotated[Text, Field(max_length=MAX_METADATA_VALUE_CHARS)]
 
 
