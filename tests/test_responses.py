@@ -249,6 +249,28 @@ def test_previous_response_id_continues_the_conversation(client, worker):
 
 
 @pytest.mark.integration
+def test_input_items_are_the_requests_own_in_pages(client, base_url, worker):
+    created = client.responses.create(model="tiny", input=[
+        {"role": "developer", "content": "be terse"},
+        {"role": "user", "content": [{"type": "input_text", "text": "one "},
+                                     {"type": "input_text", "text": "two"}]},
+        {"role": "assistant", "content": "three"},
+        {"type": "message", "role": "user", "content": "four"}],
+        instructions="not an input item", max_output_tokens=2)
+    items = list(client.responses.input_items.list(created.id, order="asc"))
+    assert [(i.role, i.content[0].text) for i in items] == [
+        ("system", "be terse"), ("user", "one two"), ("assistant", "three"), ("user", "four")]
+    first = client.responses.input_items.list(created.id, limit=3)  # newest first
+    assert [i.content[0].text for i in first.data] == ["four", "three", "one two"]
+    assert first.has_more is True and first.last_id == first.data[-1].id
+    rest = client.responses.input_items.list(created.id, limit=3, after=first.last_id)
+    assert [i.content[0].text for i in rest.data] == ["be terse"] and rest.has_more is False
+    bad = requests.get(f"{base_url}/v1/responses/{created.id}/input_items?after=nope",
+                       timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "after"
+
+
+@pytest.mark.integration
 def test_delete_then_every_read_is_a_404(client, worker):
     created = client.responses.create(model="tiny", input="hi", max_output_tokens=2)
     deleted = client.responses.delete(created.id)

@@ -114,6 +114,10 @@ OPERATIONS: tuple[Operation, ...] = (
               "and follows them live", "responses",
               {200: {JSON: responses_api.Response, SSE: None}, **_errors(400, 401, 404, 503)},
               query=responses_api.ResponseRetrieveQuery, params=(RESPONSE_ID,)),
+    Operation("get", "/v1/responses/{response_id}/input_items", "listInputItems", "The "
+              "response's own input items; page with `after` (an item id)", "responses",
+              {200: {JSON: responses_api.InputItemList}, **_errors(400, 401, 404, 503)},
+              query=responses_api.InputItemListQuery, params=(RESPONSE_ID,)),
     Operation("post", "/v1/responses/{response_id}/cancel", "cancelResponse", "Cancel a "
               "background response; a finished one is answered as it is", "responses",
               {200: {JSON: responses_api.Response}, **_errors(400, 401, 404, 503)},

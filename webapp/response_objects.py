@@ -160,6 +160,27 @@ def output_text(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": []}
 
 
+def input_items_page(stored: StoredResponse, job: Job, *, limit: int, order: str,
+                     after: str | None) -> dict[str, Any] | None:
+    """A page of the response's own input items (`tasks.api.responses.InputItemList`);
+    None when `after` is not one of its item ids."""
+    items = [{"id": f"{message_id(job)}_{i}", "type": "message", "role": message["role"],
+              "status": "completed",
+              "content": [{"type": "output_text" if message["role"] == "assistant"
+                           else "input_text", "text": message["content"]}]}
+             for i, message in enumerate(stored.input or [])]
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            return None
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+
+
 def usage(job: Job) -> dict[str, Any]:
     prompt = job.prompt_tokens or 0
     completion = job.completion_tokens or 0

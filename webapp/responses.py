@@ -21,7 +21,11 @@ from collections.abc import Iterator
 from flask import Blueprint, Response, jsonify
 from sqlalchemy import update
 
-from tasks.api.responses import ResponseCreateRequest, ResponseRetrieveQuery
+from tasks.api.responses import (
+    InputItemListQuery,
+    ResponseCreateRequest,
+    ResponseRetrieveQuery,
+)
 from tasks.db import utcnow
 from tasks.models import Job, JobStatus, StoredResponse
 from tasks.protocol import events_key
@@ -35,6 +39,7 @@ from webapp.openai_api import _cancel_quietly, _job_events, _reload
 from webapp.response_events import ResponseEvents, sse_lines
 from webapp.response_objects import (
     conversation,
+    input_items_page,
     input_messages,
     message_id,
     parse_response_request,
@@ -116,6 +121,19 @@ def get_response(response_id: str) -> Response:
     if job.status == JobStatus.RUNNING.value:
         text = current_output(svc.subscriber.read_events(str(job.id))).get(0, "")
     return jsonify(response_object(stored, job, text=text))
+
+
+@bp.get("/<response_id>/input_items")
+def list_input_items(response_id: str) -> Response:
+    """The response's own input items, a page at a time (`?limit=&order=&after=`)."""
+    query: InputItemListQuery = parse_query(InputItemListQuery)
+    stored, job = load_response(response_id)
+    page = input_items_page(stored, job, limit=query.limit, order=query.order,
+                            after=query.after)
+    if page is None:
+        raise APIError(400, "invalid_cursor", "after must be the id of an input item of this "
+                       "response", "after")
+    return jsonify(page)
 
 
 @bp.post("/<response_id>/cancel")

@@ -91,6 +91,16 @@ class ResponseRetrieveQuery(BaseModel):
         None, description="with stream=true: only the events after this sequence_number")
 
 
+class InputItemListQuery(BaseModel):
+    """`GET /v1/responses/{id}/input_items` query (unknown parameters are a 400)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    limit: Annotated[int, Field(ge=1, le=100)] = Field(20, description="items per page")
+    order: Literal["asc", "desc"] = Field("desc", description="desc: the last item first")
+    after: str | None = Field(None, description="an item id: the items after it, in order")
+
+
 # --- responses ------------------------------------------------------------------------
 
 
@@ -159,6 +169,29 @@ class Response(BaseModel):
     metadata: dict[str, str]
     usage: ResponseUsage | None
     job_id: str
+
+
+class InputText(BaseModel):
+    type: Literal["input_text", "output_text"]  # output_text: an assistant message's text
+    text: str
+
+
+class InputItem(BaseModel):
+    id: str  # msg_<job id hex>_<position in the input>
+    type: Literal["message"]
+    role: Literal["user", "system", "assistant"]  # developer messages are system ones
+    status: Literal["completed"]
+    content: list[InputText]
+
+
+class InputItemList(BaseModel):
+    """The request's own input items (not those of previous responses)."""
+
+    object: Literal["list"]
+    data: list[InputItem]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
 
 
 class ResponseDeleted(BaseModel):
