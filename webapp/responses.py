@@ -16,7 +16,6 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Iterator
 
 from flask import Blueprint, Response, jsonify
 from sqlalchemy import update
@@ -28,24 +27,22 @@ from tasks.api.responses import (
 )
 from tasks.db import utcnow
 from tasks.models import Job, JobStatus, StoredResponse
-from tasks.protocol import events_key
 from tasks.schema import SchemaError, build_job_request
-from tasks.streams.reader import Park, current_output
+from tasks.streams.reader import current_output
 from webapp.auth import current_api_key_id
 from webapp.errors import APIError
 from webapp.groups import context_len
 from webapp.jobs import cancel, json_body, parse_query, served_model, submit_job, tokenize
-from webapp.openai_api import _cancel_quietly, _job_events, _reload
-from webapp.response_events import ResponseEvents, sse_lines
+from webapp.openai_api import _cancel_quietly, _reload
 from webapp.response_objects import (
     conversation,
     input_items_page,
     input_messages,
-    message_id,
     parse_response_request,
     response_id,
     response_object,
 )
+from webapp.response_stream import stream_events, wait_for_job
 from webapp.services import Services, services
 from webapp.streaming import event_stream_response
 
@@ -92,10 +89,10 @@ def create_response() -> Response:
     if req.stream:
         background = bool(req.background)
         return event_stream_response(
-            lambda _sink, cooperative: _stream(svc, stored, job, -1, not background,
-                                               cooperative), headers)
+            lambda _sink, cooperative: stream_events(svc, stored, job, -1, not background,
+                                                     cooperative), headers)
     if not req.background:
-        _wait(svc, str(job.id))
+        wait_for_job(svc, str(job.id))
         job = _reload(svc, str(job.id)) or job
     return Response(json.dumps(response_object(stored, job), separators=(",", ":")),
                     mimetype="application/json", headers=headers)
@@ -115,7 +112,8 @@ def get_response(response_id: str) -> Response:
         svc.redis.ping()  # Redis down -> 503 now, not a broken stream later
         after = -1 if query.starting_after is None else query.starting_after
         return event_stream_response(
-            lambda _sink, cooperative: _stream(svc, stored, job, after, False, cooperative),
+            lambda _sink, cooperative: stream_events(svc, stored, job, after, False,
+                                                     cooperative),
             {"X-Llmq-Job-Id": str(job.id)})
     text = None
     if job.status == JobStatus.RUNNING.value:
@@ -235,67 +233,3 @@ def _store(svc: Services, req: ResponseCreateRequest, job: Job,
     logger.info("response %s stored (job %s, background %s)", stored.id, job.id,
                 stored.background)
     return stored
-
-
-def _wait(svc: Services, job_id: str) -> None:
-    """Until the job ends; a 504 (and the job cancelled) after the request timeout."""
-    deadline = time.monotonic() + svc.settings.request_timeout_seconds
-    for event in _job_events(svc, job_id):
-        if time.monotonic() > deadline:
-            _cancel_quietly(svc, job_id)
-            raise APIError(504, "timeout", f"response of job {job_id} did not finish within "
-                           f"{svc.settings.request_timeout_seconds:.0f}s and was cancelled; "
-                           "use background: true for long generations")
-        if event is not None and not isinstance(event, Park) and event.type.is_terminal:
-            return
-
-
-def _stream(svc: Services, stored: StoredResponse, job: Job, starting_after: int,
-            cancel_on_close: bool, cooperative: bool) -> Iterator[str | Park]:
-    """The response's events numbered after `starting_after`; closing this generator
-    before the end cancels the job when `cancel_on_close` (a non-background create)."""
-    job_id = str(job.id)
-    events = ResponseEvents(
-        item_id=message_id(job), created_status="queued" if stored.background else "in_progress",
-        snapshot=lambda status: response_object(stored, job, status=status))
-    finished = False
-    try:
-        yield from sse_lines(events.preamble(), starting_after)
-        row = _reload(svc, job_id) or job
-        if JobStatus(row.status).is_terminal and not svc.redis.exists(events_key(svc.settings,
-                                                                                 job_id)):
-            logger.info("response %s: the job's stream expired; events rebuilt from the row",
-                        stored.id)
-            finished = True
-            yield from sse_lines(events.finish(response_object(stored, row)), starting_after)
-            return
-        for item in _job_events(svc, job_id, cooperative):
-            if isinstance(item, Park):
-                yield item
-            elif item is None:
-                yield ": ping\n\n"  # also how a closed connection is noticed
-            elif item.type.is_terminal:
-                finished = True
-                row = _final_row(svc, job_id, row)
-                yield from sse_lines(events.finish(response_object(stored, row)),
-                                     starting_after)
-                return
-            else:
-                yield from sse_lines(events.feed(item), starting_after)
-    finally:
-        if not finished and cancel_on_close:
-            logger.info("response %s: stream closed before the end; cancelling job %s",
-                        stored.id, job_id)
-            _cancel_quietly(svc, job_id)
-
-
-
-def _final_row(svc: Services, job_id: str, row: Job) -> Job:
-    """The job's row once terminal. NOTE: the row is written before the terminal event is
-    published, so this is at once but for a database blip; it waits a little then."""
-    deadline = time.monotonic() + CANCEL_WAIT_SECONDS
-    while True:
-        row = _reload(svc, job_id) or row
-        if JobStatus(row.status).is_terminal or time.monotonic() > deadline:
-            return row
-        time.sleep(_POLL_SECONDS)
