@@ -12,7 +12,7 @@ from tasks.auth import create_api_key
 from tasks.models import JobStatus
 from tasks.protocol import EventType, JobEvent, events_key
 from tests.pipeline_helpers import read_job, running_worker, wait_for, wait_terminal
-from webapp.response_events import ResponseEvents
+from webapp.response_events import ResponseEvents, text_so_far
 
 PROMPT = "name three colours"
 INSTRUCTIONS = "be brief"
@@ -66,6 +66,13 @@ def test_a_restart_never_sends_text_twice_and_numbering_is_a_function_of_the_str
     assert deltas == ["The ", "quick ", "br", "own"]
     assert "".join(deltas) == "The quick brown"
     assert _run(stream, "The quick brown") == events  # a replay numbers them the same
+
+
+def test_polled_text_never_shrinks_across_a_restart():
+    stream = [_token("The "), _token("quick "), JobEvent(EventType.RESTART, attempt=2),
+              _token("The")]
+    assert [text_so_far(stream[:i]) for i in range(1, 5)] == [
+        "The ", "The quick ", "The quick ", "The quick "]
 
 
 def test_a_rebuild_from_the_row_sends_the_whole_text_in_one_delta():

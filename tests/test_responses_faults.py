@@ -80,9 +80,14 @@ def test_web_restart_and_worker_kill9_during_a_background_response(
                 daemon=True)
             follower.start()
             rescuer.wait_ready(redis_client)
-            polled = wait_for(lambda: (lambda r: r if r.status not in ("queued", "in_progress")
-                                       else None)(client.responses.retrieve(response_id)),
-                              120, "the response to end", interval=0.2)
+            texts: list[str] = []
+
+            def poll():
+                response = client.responses.retrieve(response_id)
+                texts.append(response.output_text)
+                return response if response.status not in ("queued", "in_progress") else None
+
+            polled = wait_for(poll, 120, "the response to end", interval=0.2)
             follower.join(60)
             assert not follower.is_alive(), "the resumed stream did not end"
             replay = list(client.responses.retrieve(response_id, stream=True))
@@ -102,6 +107,8 @@ def test_web_restart_and_worker_kill9_during_a_background_response(
         assert [e.model_dump() for e in replay] == [e.model_dump() for e in seen]
         text = "".join(e.delta for e in seen if e.type == "response.output_text.delta")
         assert text == row.output_text
+        # each poll's text was a prefix of the next: nothing taken back by the restart
+        assert all(b.startswith(a) for a, b in zip(texts, texts[1:])), texts
     finally:
         victim.kill()
         if rescuer is not None:

@@ -28,13 +28,44 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tasks.protocol import EventType, JobEvent
 from webapp.response_objects import output_message, output_text
 
 NUM_PREAMBLE_EVENTS = 4  # sequence numbers 0..3
+
+
+@dataclass(slots=True)
+class SentText:
+    """The text a client has across a job's attempts: after a `restart`, the re-run's
+    tokens add only what goes past it (see the NOTE above)."""
+
+    text: str = ""
+    produced: int = 0  # characters of the current attempt seen so far
+
+    def add(self, event: JobEvent) -> str:
+        """The new text of one job event ("" for none); sample 0 only."""
+        if event.type is EventType.RESTART:
+            self.produced = 0
+            return ""
+        if event.type is not EventType.TOKEN or event.index != 0:
+            return ""
+        start = self.produced
+        self.produced += len(event.text)
+        new = event.text[max(0, len(self.text) - start):]
+        self.text += new
+        return new
+
+
+def text_so_far(events: Iterable[JobEvent]) -> str:
+    """What a stream of these events has sent: the text a poll answers while the job runs
+    (it never shrinks, not even when the job restarts)."""
+    sent = SentText()
+    for event in events:
+        sent.add(event)
+    return sent.text
 
 
 @dataclass(slots=True)
@@ -46,8 +77,7 @@ class ResponseEvents:
     snapshot: Callable[[str], dict[str, Any]]
     created_status: str  # queued (background) or in_progress
     next_sequence: int = 0
-    sent: str = ""  # text sent as deltas so far
-    produced: int = 0  # characters of the current attempt seen so far
+    sent: SentText = field(default_factory=SentText)  # text sent as deltas so far
 
     def preamble(self) -> list[dict[str, Any]]:
         return [
@@ -61,29 +91,22 @@ class ResponseEvents:
 
     def feed(self, event: JobEvent) -> list[dict[str, Any]]:
         """The stream events of one token or restart event of the job (sample 0 only)."""
-        if event.type is EventType.RESTART:
-            self.produced = 0
-            return []
-        if event.type is not EventType.TOKEN or event.index != 0:
-            return []
-        start = self.produced
-        self.produced += len(event.text)
-        text = event.text[max(0, len(self.sent) - start):]
+        text = self.sent.add(event)
         if not text:
-            return []  # the re-run is still repeating what the client has
-        self.sent += text
+            return []  # no text, or a re-run still repeating what the client has
         return [self._event("response.output_text.delta", **self._where(), delta=text)]
 
     def finish(self, final: dict[str, Any]) -> list[dict[str, Any]]:
         """The closing events, given the final response object (`response_object`)."""
         message = final["output"][0] if final["output"] else None
-        text = message["content"][0]["text"] if message else self.sent
+        sent = self.sent.text
+        text = message["content"][0]["text"] if message else sent
         events = []
-        if len(text) > len(self.sent) and text.startswith(self.sent):
+        if len(text) > len(sent) and text.startswith(sent):
             # text the stream never carried (a rebuild from the row, a lost publish)
             events.append(self._event("response.output_text.delta", **self._where(),
-                                      delta=text[len(self.sent):]))
-            self.sent = text
+                                      delta=text[len(sent):]))
+            self.sent.text = text
         item = message or output_message(self.item_id, text, final["status"])
         events += [
             self._event("response.output_text.done", **self._where(), text=text),

@@ -17,6 +17,7 @@ import logging
 import time
 import uuid
 
+import redis
 from flask import Blueprint, Response, jsonify
 from sqlalchemy import update
 
@@ -28,12 +29,12 @@ from tasks.api.responses import (
 from tasks.db import utcnow
 from tasks.models import Job, JobStatus, StoredResponse
 from tasks.schema import SchemaError, build_job_request
-from tasks.streams.reader import current_output
 from webapp.auth import current_api_key_id
 from webapp.errors import APIError
 from webapp.groups import context_len
 from webapp.jobs import cancel, json_body, parse_query, served_model, submit_job, tokenize
 from webapp.openai_api import _cancel_quietly, _reload
+from webapp.response_events import text_so_far
 from webapp.response_objects import (
     conversation,
     input_items_page,
@@ -116,8 +117,15 @@ def get_response(response_id: str) -> Response:
                                                      cooperative),
             {"X-Llmq-Job-Id": str(job.id)})
     text = None
-    if job.status == JobStatus.RUNNING.value:
-        text = current_output(svc.subscriber.read_events(str(job.id))).get(0, "")
+    if not JobStatus(job.status).is_terminal:
+        # NOTE: from the stream, as a stream client has it: a job requeued after its worker
+        # died keeps the text it had (the re-run repeats it) instead of starting over
+        try:
+            text = text_so_far(e for _, e in svc.subscriber.read_events(str(job.id))) or None
+        except redis.RedisError:
+            logger.warning("response %s: stream unreadable; answering from the row", stored.id)
+        if text is None and job.status == JobStatus.RUNNING.value:
+            text = ""
     return jsonify(response_object(stored, job, text=text))
 
 
