@@ -12,6 +12,7 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    Boolean,
     DateTime,
     ForeignKey,
     Index,
@@ -124,3 +125,26 @@ class Job(Base):
             sqlite_where=text("idempotency_key IS NOT NULL"),
         ),
     )
+
+
+class StoredResponse(Base):
+    """A response of the Responses API (`/v1/responses`): a chat job underneath (`job_id`)
+    plus what only the response has. Its id is `resp_<job id hex>`."""
+
+    __tablename__ = "responses"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    job_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("jobs.id"), unique=True)
+    api_key_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("api_keys.id"))
+    previous_response_id: Mapped[str | None] = mapped_column(String(64))
+    instructions: Mapped[str | None] = mapped_column(Text)
+    # this request's own input messages, [{"role", "content"}] (the job's messages hold the
+    # whole conversation: instructions, previous turns, this input)
+    input: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
+    background: Mapped[bool] = mapped_column(Boolean, default=False)
+    store: Mapped[bool] = mapped_column(Boolean, default=True)
+    max_output_tokens: Mapped[int | None] = mapped_column(Integer)
+    # NOTE: `metadata` is the declarative base's own attribute; the column keeps the name
+    meta: Mapped[dict[str, str] | None] = mapped_column("metadata", JSON)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    deleted: Mapped[bool] = mapped_column(Boolean, default=False)

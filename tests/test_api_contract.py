@@ -21,7 +21,7 @@ from webapp.openapi import OPERATIONS, build_openapi
 
 pytestmark = pytest.mark.integration
 
-EXAMPLES_PER_OPERATION = 110  # 14 operations: > 1,500 generated cases in all
+EXAMPLES_PER_OPERATION = 110  # 19 operations: > 2,000 generated cases in all
 CASES: list[str] = []
 
 

@@ -25,6 +25,7 @@ def create_app(settings: Settings | None = None) -> Flask:
         request_id,
         tokens,
     )
+    from webapp.responses import bp as responses_bp
     from webapp.services import Services
 
     settings = settings if settings is not None else Settings.from_env()
@@ -39,6 +40,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.register_blueprint(meta.bp)
     app.register_blueprint(openai_api.bp)
     app.register_blueprint(tokens.bp)
+    app.register_blueprint(responses_bp)
     app.register_blueprint(metrics.bp)
     app.register_blueprint(dashboard.bp)
     app.register_blueprint(openapi.bp)

@@ -18,6 +18,7 @@ from flask import Blueprint, Response, current_app, jsonify, send_from_directory
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from tasks.api import responses as responses_api
 from tasks.api.errors import ErrorResponse
 from tasks.api.jobs import Job, JobCreateRequest, JobList, JobListQuery
 from tasks.api.openai import (
@@ -79,6 +80,7 @@ IDEMPOTENCY_KEY = Param("Idempotency-Key", "header", "1 to 200 characters: a ret
                         "same key and request returns the first job; the same key with a "
                         "different request is a 422",
                         schema={"type": "string", "minLength": 1, "maxLength": 200})
+RESPONSE_ID = Param("response_id", "path", "the response's id (resp_<hex>)", required=True)
 _OPENAI_ERRORS = _errors(400, 401, 404, 413, 422, 429, 500, 503, 504)
 REQUEST_ID = Param(REQUEST_ID_HEADER, "header", f"1 to {MAX_REQUEST_ID_CHARS} printable "
                    "ASCII characters, echoed in the answer and stored on a created job; "
@@ -119,6 +121,29 @@ OPERATIONS: tuple[Operation, ...] = (
               "(ChatCompletionChunk) ending with `data: [DONE]`", "openai",
               {200: {JSON: ChatCompletion, SSE: None}, **_OPENAI_ERRORS},
               body=ChatCompletionRequest, params=(IDEMPOTENCY_KEY,)),
+    Operation("post", "/v1/responses", "createResponse", "OpenAI Responses (text): "
+              "`background: true` answers the queued response at once; `stream: true` "
+              "answers text/event-stream events (ResponseStreamEvent) numbered by "
+              "sequence_number",
+              "responses", {200: {JSON: responses_api.Response, SSE: None}, **_OPENAI_ERRORS},
+              body=responses_api.ResponseCreateRequest),
+    Operation("get", "/v1/responses/{response_id}", "getResponse", "A response (output so "
+              "far while it runs); `stream=true` replays its events after `starting_after` "
+              "and follows them live", "responses",
+              {200: {JSON: responses_api.Response, SSE: None}, **_errors(400, 401, 404, 503)},
+              query=responses_api.ResponseRetrieveQuery, params=(RESPONSE_ID,)),
+    Operation("get", "/v1/responses/{response_id}/input_items", "listInputItems", "The "
+              "response's own input items; page with `after` (an item id)", "responses",
+              {200: {JSON: responses_api.InputItemList}, **_errors(400, 401, 404, 503)},
+              query=responses_api.InputItemListQuery, params=(RESPONSE_ID,)),
+    Operation("post", "/v1/responses/{response_id}/cancel", "cancelResponse", "Cancel a "
+              "background response; a finished one is answered as it is", "responses",
+              {200: {JSON: responses_api.Response}, **_errors(400, 401, 404, 503)},
+              params=(RESPONSE_ID,)),
+    Operation("delete", "/v1/responses/{response_id}", "deleteResponse", "Delete a response "
+              "(its job is cancelled if it still runs)", "responses",
+              {200: {JSON: responses_api.ResponseDeleted}, **_errors(401, 404, 503)},
+              params=(RESPONSE_ID,)),
     Operation("get", "/v1/models", "listModels", "Served models and their live device groups",
               "openai", {200: {JSON: ModelList}, **_errors(401, 503)}),
     Operation("post", "/tokenize", "tokenize", "vLLM's tokenize: the token ids of a prompt, "
@@ -138,7 +163,8 @@ OPERATIONS: tuple[Operation, ...] = (
               {200: {"text/plain": None}}),
 )
 # documented in components though no operation names them directly (stream chunks)
-EXTRA_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionChunk, ErrorResponse)
+EXTRA_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionChunk, ErrorResponse,
+                                             responses_api.ResponseStreamEvent)
 
 
 def build_openapi(version: str | None = None) -> dict[str, Any]:
@@ -162,7 +188,8 @@ def build_openapi(version: str | None = None) -> dict[str, Any]:
                  "description": "LLM completions as durable asynchronous jobs: the jobs API "
                  "and OpenAI's completions and chat completions over the same jobs. Errors "
                  "are OpenAI's shape: {\"error\": {type, message, param, code}}."},
-        "tags": [{"name": "jobs"}, {"name": "openai"}, {"name": "vllm"},
+        "tags": [{"name": "jobs"}, {"name": "openai"}, {"name": "responses"},
+                 {"name": "vllm"},
                  {"name": "service"}],
         "paths": paths,
         "components": {

@@ -96,8 +96,12 @@ class StreamSocket:
             return not self.unsent
 
     def end(self) -> None:
-        """The response is complete: the loop closes the socket once everything is sent."""
+        """The response is complete: the loop closes the socket once everything is sent
+        (chunked: with the last, empty chunk, so a client reading to the end sees a whole
+        body)."""
         with self.lock:
+            if self.chunked:
+                self._write_locked(b"0\r\n\r\n")
             self.ending = True
         self._notify(self)
 
