@@ -258,3 +258,33 @@ def test_offline_llm_takes_structured_outputs(tiny_qwen3_dir: Path) -> None:
     assert outputs[0].outputs[0].text in CHOICES
     assert re.fullmatch(REGEX, outputs[1].outputs[0].text)
 
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_min_tokens_past_a_complete_grammar_ends_with_stop(
+    tiny_qwen3_dir: Path, temperature: float
+) -> None:
+    """The grammar wins over min_tokens: once only an end token is allowed, the sequence
+    finishes with `stop` and the text is exactly a string of the grammar (no hang, no
+    error, nothing past it)."""
+    engine = make_engine(tiny_qwen3_dir)
+    engine.add_request("choice", PROMPT, _params(StructuredOutputs(choice=["ok"]), 1,
+                                                 min_tokens=20, max_tokens=30,
+                                                 temperature=temperature))
+    engine.add_request("regex", PROMPT, _params(StructuredOutputs(regex="[ab]"), 2,
+                                                min_tokens=20, max_tokens=30,
+                                                temperature=temperature))
+    texts = {"choice": "", "regex": ""}
+    finals = {}
+    for _ in range(100):
+        if not engine.has_unfinished_requests():
+            break
+        for delta in engine.step():
+            texts[delta.request_id] += delta.text
+            if delta.finished:
+                finals[delta.request_id] = delta
+    assert not engine.has_unfinished_requests()
+    assert finals["choice"].finish_reason == FinishReason.STOP
+    assert finals["regex"].finish_reason == FinishReason.STOP
+    assert texts["choice"] == "ok"
+    assert re.fullmatch("[ab]", texts["regex"])
+    assert_engine_empty(engine)
