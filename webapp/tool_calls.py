@@ -281,7 +281,8 @@ def messages_for_template(messages: list[dict[str, Any]], tools: list[dict[str, 
                 lines = [QWEN_OPEN + "\n" + json.dumps(
                     {"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
                     ensure_ascii=False) + "\n</tool_call>" for c in decoded]
-                message["content"] = "\n".join(filter(None, [message.get("content")] + lines))
+                parts = [message["content"]] if message.get("content") else []
+                message["content"] = "\n".join(parts + lines)
         if message.get("content") is None and not knows_calls:
             message["content"] = ""
         out.append(message)
