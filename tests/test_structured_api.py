@@ -267,3 +267,18 @@ def test_a_grammar_only_the_worker_can_refuse_fails_the_job_with_a_400(base_url,
                      response.json()["error"]["message"])
     job_id = response.json()["error"]["message"].split()[1]
     assert read_job(session_factory, job_id).status == JobStatus.FAILED.value
+
+
+def test_streamed_auto_joins_to_the_non_streamed_answer(client, worker):
+    kwargs = dict(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=24, seed=5,
+                  temperature=1.0)
+    final = client.chat.completions.create(**kwargs).choices[0]
+    content, names, reasons = "", [], []
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            names += [d.function.name for d in choice.delta.tool_calls or [] if d.id]
+            reasons.append(choice.finish_reason)
+    assert content == (final.message.content or "")
+    assert names == [c.function.name for c in final.message.tool_calls or []]
+    assert reasons[-1] == final.finish_reason
