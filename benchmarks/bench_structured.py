@@ -5,10 +5,13 @@ Decode step time at batch 32 on the `100m` preset (a random checkpoint made with
 `workers.engine.make_model`), with none of the sequences constrained and with half of
 them constrained by a 20-field JSON schema (bitmask fill on the engine side, bitmask
 applied in the sampler, matchers advanced after the step). Every step timed is a decode
-step of all 32 sequences; the median of alternating rounds is reported.
+step of all 32 sequences. The two kinds of round alternate (free, constrained, free, ...)
+so a load change on a shared machine hits both; the overhead reported is the median of
+the per-pair ratios (constrained round / the free round before it), beside the ratio of
+the medians. The CPU model, its vector flags and torch's thread count are printed too.
 
     python benchmarks/bench_structured.py
-    python benchmarks/bench_structured.py --model-dir /tmp/m100 --steps 20 --rounds 3
+    python benchmarks/bench_structured.py --model-dir /tmp/m100 --steps 20 --rounds 5
 """
 
 from __future__ import annotations
@@ -29,6 +32,30 @@ from workers.engine.builder import build_engine  # noqa: E402
 from workers.engine.config import EngineConfig  # noqa: E402
 
 BATCH = 32
+VECTOR_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16",
+                "avx512_vnni", "avx_vnni", "amx_bf16", "amx_tile", "neon", "asimd", "sve")
+
+
+def cpu_info() -> dict:
+    """The CPU model, its vector flags (of VECTOR_FLAGS) and torch's threads."""
+    import torch
+
+    model, flags, num_cpus = "unknown", set(), 0
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("model name", "Model") and model == "unknown":
+                model = value.strip()
+            elif key in ("flags", "Features"):
+                flags.update(value.split())
+            elif key == "processor":
+                num_cpus += 1
+    except OSError:
+        pass
+    return {"cpu": model, "num_cpus": num_cpus,
+            "vector_flags": [f for f in VECTOR_FLAGS if f in flags],
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
 
 
 def schema_20_fields() -> dict:
@@ -67,7 +94,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", default=None, help="a 100m checkpoint (made if absent)")
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5, help="pairs of rounds")
     args = parser.parse_args()
     model_dir = args.model_dir
     if model_dir is None or not Path(model_dir).exists():
@@ -96,14 +123,18 @@ def main() -> None:
         free.append(decode_step_ms(engine, False, args.steps, 2 * r))
         constrained.append(decode_step_ms(engine, True, args.steps, 2 * r + 1))
     free_ms, constrained_ms = statistics.median(free), statistics.median(constrained)
+    ratios = [c / f for f, c in zip(free, constrained)]
     print(json.dumps({
+        **cpu_info(),
         "vocab": backend.vocab_size,
         "tokenizer_info_ms": round(tokenizer_s * 1e3, 1),
         "schema_20_fields_compile_ms": [round(s * 1e3, 1) for s in compile_s],
         "schema_20_fields_check_ms": round(check_s * 1e3, 2),
         "decode_step_ms_free": [round(x, 1) for x in free],
         "decode_step_ms_half_constrained": [round(x, 1) for x in constrained],
-        "overhead_percent": round(100 * (constrained_ms / free_ms - 1), 1),
+        "pair_ratios": [round(r, 3) for r in ratios],
+        "overhead_percent_median_ratio": round(100 * (statistics.median(ratios) - 1), 1),
+        "overhead_percent_of_medians": round(100 * (constrained_ms / free_ms - 1), 1),
     }, indent=1))
     engine.close()
 

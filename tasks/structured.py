@@ -9,9 +9,10 @@ Exactly one of:
 * `json_object=True`: the output is any JSON object.
 
 The web imports this module (no torch, no grammar backend): `validate()` checks the shape
-of the constraint here; whether the schema, regex or grammar compiles is checked by the
-engine's grammar backend (`workers/engine/structured/`), which fails the request alone
-with the backend's message when it does not.
+of the constraint and, without the backend, what the backend would refuse or ignore
+(`tasks/structured_check.py`: JSON-schema keywords, regex constructs, a grammar's root rule
+and brackets); the engine's grammar backend (`workers/engine/structured/`) parses it again
+and fails the request alone with the backend's message when it does not compile.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import json as json_module
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
+
+from tasks.structured_check import ConstraintError, check_ebnf, check_json_schema, check_regex
 
 MAX_CHOICES = 1024
 MAX_SPEC_CHARS = 100_000  # of a schema, regex, grammar or all choices together
@@ -82,12 +85,15 @@ class StructuredOutputs:
                 raise InvalidStructuredOutputsError(
                     "structured_outputs.json must be a JSON schema (an object), got "
                     f"{type(schema).__name__}")
+            _checked(check_json_schema, schema, "structured_outputs.json")
         for name, text in (("regex", self.regex), ("grammar", self.grammar)):
             if text is not None:
                 if not isinstance(text, str) or not text:
                     raise InvalidStructuredOutputsError(
                         f"structured_outputs.{name} must be a non-empty string")
                 _check_size(name, len(text))
+                _checked(check_regex if name == "regex" else check_ebnf, text,
+                         f"structured_outputs.{name}")
         if self.choice is not None:
             choice = self.choice
             if not isinstance(choice, list) or not 1 <= len(choice) <= MAX_CHOICES or not all(
@@ -147,6 +153,13 @@ def _parse_schema(schema: dict[str, Any] | str | None) -> Any:
     except ValueError as exc:
         raise InvalidStructuredOutputsError(
             f"structured_outputs.json is not valid JSON: {exc}") from exc
+
+
+def _checked(check: Any, value: Any, where: str) -> None:
+    try:
+        check(value, where)
+    except ConstraintError as exc:
+        raise InvalidStructuredOutputsError(str(exc)) from None
 
 
 def _check_size(name: str, num_chars: int) -> None:

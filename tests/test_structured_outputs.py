@@ -176,11 +176,16 @@ def test_preempted_constrained_requests_still_validate(tiny_qwen3_dir: Path) -> 
 def test_invalid_constraint_fails_only_its_request(tiny_qwen3_dir: Path) -> None:
     engine = make_engine(tiny_qwen3_dir)
     engine.add_request("ok", PROMPT, _params(StructuredOutputs(regex=REGEX), 1))
-    with pytest.raises(ValueError, match=r"structured_outputs.regex .*Unclosed"):
+    # caught without the backend (tasks/structured_check.py), as the web does
+    with pytest.raises(ValueError, match=r"structured_outputs.regex is not a valid regular"):
         engine.add_request("bad", PROMPT, _params(StructuredOutputs(regex="[a-z"), 2))
-    with pytest.raises(ValueError, match=r"structured_outputs.json .*Unsupported type"):
+    with pytest.raises(ValueError, match=r"structured_outputs.json: 'type' at # must be"):
         engine.add_request("bad2", PROMPT,
                            _params(StructuredOutputs(json={"type": "frobnicate"}), 3))
+    # caught by the backend's parse in add_request
+    with pytest.raises(ValueError, match=r"structured_outputs.grammar .*not defined"):
+        engine.add_request("bad3", PROMPT,
+                           _params(StructuredOutputs(grammar="root ::= undefined_rule"), 4))
     texts = {"ok": ""}
     while engine.has_unfinished_requests():
         for delta in engine.step():
@@ -252,3 +257,34 @@ def test_offline_llm_takes_structured_outputs(tiny_qwen3_dir: Path) -> None:
         ])
     assert outputs[0].outputs[0].text in CHOICES
     assert re.fullmatch(REGEX, outputs[1].outputs[0].text)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_min_tokens_past_a_complete_grammar_ends_with_stop(
+    tiny_qwen3_dir: Path, temperature: float
+) -> None:
+    """The grammar wins over min_tokens: once only an end token is allowed, the sequence
+    finishes with `stop` and the text is exactly a string of the grammar (no hang, no
+    error, nothing past it)."""
+    engine = make_engine(tiny_qwen3_dir)
+    engine.add_request("choice", PROMPT, _params(StructuredOutputs(choice=["ok"]), 1,
+                                                 min_tokens=20, max_tokens=30,
+                                                 temperature=temperature))
+    engine.add_request("regex", PROMPT, _params(StructuredOutputs(regex="[ab]"), 2,
+                                                min_tokens=20, max_tokens=30,
+                                                temperature=temperature))
+    texts = {"choice": "", "regex": ""}
+    finals = {}
+    for _ in range(100):
+        if not engine.has_unfinished_requests():
+            break
+        for delta in engine.step():
+            texts[delta.request_id] += delta.text
+            if delta.finished:
+                finals[delta.request_id] = delta
+    assert not engine.has_unfinished_requests()
+    assert finals["choice"].finish_reason == FinishReason.STOP
+    assert finals["regex"].finish_reason == FinishReason.STOP
+    assert texts["choice"] == "ok"
+    assert re.fullmatch("[ab]", texts["regex"])
+    assert_engine_empty(engine)

@@ -78,7 +78,9 @@ _CONTEXT_FAILURES = (
     re.compile(r"> max_model_len \d+; shorten the prompt or lower max_tokens"),
     re.compile(r"KV blocks .* lower max_tokens"),
 )
-_REQUEST_FAILURES = (re.compile(r"^invalid job parameters: "), re.compile(r"^prompt is empty"))
+_REQUEST_FAILURES = (re.compile(r"^invalid job parameters: "), re.compile(r"^prompt is empty"),
+                     # the grammar backend refused the request's constraint
+                     re.compile(r"^structured_outputs\.[a-z_]+ is not usable: "))
 
 
 def failed_job_error(job_id: str, error: str | None, kind: str | None = None) -> APIError:

@@ -12,6 +12,7 @@ from flask import Blueprint, Response, jsonify, request
 from pydantic import ValidationError
 from sqlalchemy import delete, func, or_, select, update
 
+from tasks.api.fields import StructuredOutputsRequest
 from tasks.api.jobs import JOB_STATUSES, JobListQuery
 from tasks.celery_app import send_generate
 from tasks.db import update_count, utcnow
@@ -24,6 +25,7 @@ from webapp.auth import current_api_key_id
 from webapp.errors import APIError, redis_unavailable
 from webapp.groups import context_len
 from webapp.model_registry import ModelLoadError, ServedModel, UnknownModelError
+from webapp.openai_format import structured_outputs
 from webapp.request_id import current_request_id
 from webapp.serialize import is_terminal, job_links, job_to_dict
 from webapp.services import Services, services
@@ -80,6 +82,11 @@ def create_job() -> tuple[Response, int]:
     body = json_body()
     try:
         job_request = parse_job_request(body, max_n=svc.settings.max_n)
+        assert isinstance(body, dict)  # parse_job_request refuses anything else
+        if body.get("structured_outputs") is not None:
+            spec = StructuredOutputsRequest.model_validate(body["structured_outputs"])
+            job_request.params.structured_outputs = structured_outputs(
+                spec.as_dict(), "structured_outputs")
     except SchemaError as exc:
         raise APIError(400, "invalid_value", exc.message, exc.param) from None
     model = served_model(job_request.model)
@@ -352,12 +359,14 @@ def served_model(name: str) -> ServedModel:
         raise APIError(503, "model_unavailable", str(exc), "model") from None
 
 
-def tokenize(model: ServedModel, job_request: JobRequest) -> tuple[str | None, list[int]]:
+def tokenize(model: ServedModel, job_request: JobRequest,
+             tools: list[dict[str, Any]] | None = None) -> tuple[str | None, list[int]]:
     """(prompt text, prompt token ids), the job checked against the served model: its
-    context length, vocabulary and sampling limits (400 naming the field otherwise)."""
+    context length, vocabulary and sampling limits (400 naming the field otherwise).
+    `tools` (OpenAI tool objects) go into a chat's prompt."""
     if job_request.messages is not None:
         try:
-            text: str | None = model.render_chat(job_request.messages)
+            text: str | None = model.render_chat(job_request.messages, tools)
         except ValueError as exc:
             raise APIError(400, "invalid_messages", str(exc), "messages") from None
         token_ids = model.encode_chat(text or "")

@@ -16,6 +16,7 @@ from typing import Any
 
 from tasks.params import ModelLimits
 from tasks.settings import Settings
+from webapp.tool_calls import messages_for_template
 
 logger = logging.getLogger(__name__)
 
@@ -50,20 +51,27 @@ class ServedModel:
         """Token ids of a completion prompt (with the model's own special tokens, e.g. BOS)."""
         return list(self.tokenizer(prompt).input_ids)
 
-    def render_chat(self, messages: list[dict[str, str]], *,
+    def render_chat(self, messages: list[dict[str, Any]],
+                    tools: list[dict[str, Any]] | None = None, *,
                     add_generation_prompt: bool = True) -> str:
         """The prompt text of a chat: the tokenizer's chat template with the assistant cue
-        (unless `add_generation_prompt` is False).
+        (unless `add_generation_prompt` is False), and the tools (OpenAI tool objects) where
+        the template puts them, or in a system section when it has no place for them
+        (`webapp/tool_calls.py`).
 
         Raises ValueError when the model has no chat template or the template rejects the
         messages (e.g. roles out of order).
         """
-        if not getattr(self.tokenizer, "chat_template", None):
+        template = getattr(self.tokenizer, "chat_template", None)
+        if not template:
             raise ValueError(f"model {self.name!r} has no chat template; send a prompt instead "
                              "of messages")
+        if tools or any("tool_calls" in m or m.get("content") is None for m in messages):
+            messages = messages_for_template(messages, tools, str(template))
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
+            text = self.tokenizer.apply_chat_template(
+                messages, tools=tools or None, tokenize=False,
+                add_generation_prompt=add_generation_prompt)
         except Exception as exc:  # noqa: BLE001 - template errors are Jinja's own types
             raise ValueError(f"the chat template of {self.name!r} rejected the messages: "
                              f"{exc}") from None

@@ -43,6 +43,8 @@ from webapp.openai_format import (
 )
 from webapp.services import Services, services
 from webapp.streaming import event_stream_response
+from webapp.tool_calls import ToolCallStream, ToolPlan, parse_output
+from webapp.tool_calls import finish_reason as tool_finish_reason
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +68,7 @@ class Answer:
     num_logprobs: int | None
     include_usage: bool
     decode: Callable[[int], str]  # one token id -> its text
+    tools: ToolPlan | None = None  # chat with tools: calls are read from the text
 
     @property
     def object(self) -> str:
@@ -112,7 +115,8 @@ def _serve(kind: JobKind) -> Response:
     except SchemaError as exc:
         raise APIError(400, "invalid_value", exc.message, exc.param) from None
     model = served_model(req.job.model)
-    prompt_text, prompt_token_ids = tokenize(model, req.job)
+    prompt_text, prompt_token_ids = tokenize(model, req.job,
+                                             req.tools.tools if req.tools else None)
     if req.fill_max_tokens:
         req.job.params.max_tokens = max(req.job.params.min_tokens, 1,
                                         context_len(model) - len(prompt_token_ids))
@@ -125,7 +129,7 @@ def _serve(kind: JobKind) -> Response:
         kind=kind, id=("cmpl-" if kind is JobKind.COMPLETION else "chatcmpl-") + job.id.hex,
         created=int(job.created_at.timestamp()), model=job.model, n=req.job.params.n,
         echo_text=echo_text, num_logprobs=req.num_logprobs, include_usage=req.include_usage,
-        decode=lambda token_id: tokenizer.decode([token_id]),
+        decode=lambda token_id: tokenizer.decode([token_id]), tools=req.tools,
     )
     headers = {"X-Llmq-Job-Id": str(job.id)}
     if req.stream:
@@ -217,6 +221,12 @@ def _wait_and_answer(svc: Services, job: Job, answer: Answer,
         choice: dict[str, Any] = {"index": i}
         if answer.kind is JobKind.COMPLETION:
             choice["text"] = prefix + text
+        elif answer.tools is not None:
+            content, calls = parse_output(text, answer.tools)
+            choice["message"] = {"role": "assistant", "content": content}
+            if calls:
+                choice["message"]["tool_calls"] = [call.to_openai() for call in calls]
+            finish_reason = tool_finish_reason(finish_reason, len(calls))
         else:
             choice["message"] = {"role": "assistant", "content": text}
         choice["logprobs"] = answer.logprobs(logprobs[i], len(prefix))
@@ -249,6 +259,8 @@ def _stream(svc: Services, job: Job, answer: Answer,
                                  "finish_reason": None} for i in range(n)])
             offsets = [len(answer.echo_text)] * n
         sent = [0] * n  # characters sent per choice
+        tool_streams = [ToolCallStream(answer.tools) for _ in range(n)] if answer.tools \
+            else None
         produced = [0] * n  # characters of the current attempt per choice
         for event in _job_events(svc, job_id, cooperative):
             if isinstance(event, Park):
@@ -277,14 +289,21 @@ def _stream(svc: Services, job: Job, answer: Answer,
                 lp = ChoiceLogprobs()
                 lp.extend(event.logprobs)
                 choice: dict[str, Any] = {"index": i}
+                deltas = [{"content": text}]
+                if tool_streams is not None:
+                    deltas = tool_streams[i].feed(text) or [{}]
                 if answer.kind is JobKind.COMPLETION:
                     choice["text"] = text
                 else:
-                    choice["delta"] = {"content": text}
+                    choice["delta"] = deltas[0]
                 choice["logprobs"] = answer.logprobs(lp, offsets[i])
                 choice["finish_reason"] = None
                 offsets[i] += sum(len(answer.decode(t)) for t in lp.token_ids)
-                yield answer.chunk([choice])
+                if choice.get("delta") != {} or choice["logprobs"] is not None:
+                    yield answer.chunk([choice])
+                for delta in deltas[1:]:
+                    yield answer.chunk([{"index": i, "delta": delta, "logprobs": None,
+                                         "finish_reason": None}])
                 continue
             # the terminal event
             finished = True
@@ -300,6 +319,11 @@ def _stream(svc: Services, job: Job, answer: Answer,
                        for o in ((row.output if row is not None else None) or [])}
             for i in range(n):
                 reason = reasons.get(i) or event.finish_reason
+                if tool_streams is not None:
+                    for delta in tool_streams[i].finish():
+                        yield answer.chunk([{"index": i, "delta": delta, "logprobs": None,
+                                             "finish_reason": None}])
+                    reason = tool_finish_reason(reason, tool_streams[i].num_calls)
                 empty: dict[str, Any] = ({"text": ""} if answer.kind is JobKind.COMPLETION
                                          else {"delta": {}})
                 yield answer.chunk([{"index": i, **empty, "logprobs": None,

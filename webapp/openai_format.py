@@ -7,15 +7,20 @@ Choices made here:
 * `prompt` is one prompt: a string, a list of token ids, or a one-element list of either.
   A batch of several prompts is rejected (400): send one request per prompt (each is a
   job of its own; `n` gives several samples of one prompt).
+* One constraint per request: `response_format` (`json_object`, `json_schema`),
+  `structured_outputs`, a `guided_*` field, or `tool_choice` `required` / a named function
+  (which decode under the tools' schema, `webapp/tool_calls.py`); two are a 400 naming
+  both. The constraint is checked here (`tasks.structured`), before the job exists.
 * Fields that would change the meaning of a request but are not implemented (`suffix`,
-  `best_of` != `n`, `logit_bias`, tools, non-text `response_format`) are a 400, never
-  ignored. Bookkeeping fields clients commonly send (`user`, `metadata`...) are ignored.
+  `best_of` != `n`, `logit_bias`, legacy `functions`) are a 400, never ignored.
+  Bookkeeping fields clients commonly send (`user`, `metadata`...) are ignored.
 * Shapes and types are the models' of `tasks.api.openai`; this module adds what spans
   fields and maps OpenAI's names onto the job's.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,9 +30,13 @@ from tasks.api.openai import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     ChatCompletionRequest,
     CompletionRequest,
+    ResponseFormatJsonObject,
+    ResponseFormatJsonSchema,
 )
 from tasks.models import JobKind
 from tasks.schema import JobRequest, SchemaError, build_job_request
+from tasks.structured import InvalidStructuredOutputsError, StructuredOutputs
+from webapp.tool_calls import ToolMode, ToolPlan
 
 REQUEST_MODELS = {JobKind.COMPLETION: CompletionRequest, JobKind.CHAT: ChatCompletionRequest}
 
@@ -46,6 +55,7 @@ class OpenAIRequest:
     # chat without max_tokens: the job may use the rest of the context (set once the
     # prompt is tokenized)
     fill_max_tokens: bool = False
+    tools: ToolPlan | None = None  # chat with tools: how to render, decode and answer
 
 
 def parse_openai_request(body: Any, kind: JobKind, *, max_n: int) -> OpenAIRequest:
@@ -61,9 +71,98 @@ def parse_openai_request(body: Any, kind: JobKind, *, max_n: int) -> OpenAIReque
     if request.stream_options is not None and not request.stream:
         raise SchemaError("stream_options is only allowed with stream: true", "stream_options")
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
+    tools = _tool_plan(request) if isinstance(request, ChatCompletionRequest) else None
     if isinstance(request, CompletionRequest):
-        return _completion(request, include_usage, max_n)
-    return _chat(request, include_usage, max_n)
+        parsed = _completion(request, include_usage, max_n)
+    else:
+        parsed = _chat(request, include_usage, max_n)
+    parsed.tools = tools
+    parsed.job.params.structured_outputs = constraint_of(request, tools)
+    return parsed
+
+
+def constraint_of(request: CompletionRequest | ChatCompletionRequest,
+                  tools: ToolPlan | None = None) -> StructuredOutputs | None:
+    """The request's one constraint, checked; SchemaError naming the field (both fields
+    when two are given)."""
+    given: list[tuple[str, dict[str, Any]]] = []
+    if request.structured_outputs is not None:
+        given.append(("structured_outputs", request.structured_outputs.as_dict()))
+    for name, key in (("guided_json", "json"), ("guided_regex", "regex"),
+                      ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+        if getattr(request, name) is not None:
+            given.append((name, {key: getattr(request, name)}))
+    response_format = request.response_format
+    if isinstance(response_format, ResponseFormatJsonObject):
+        given.append(("response_format", {"json_object": True}))
+    elif isinstance(response_format, ResponseFormatJsonSchema):
+        schema = response_format.json_schema.schema_
+        given.append(("response_format", {"json_object": True} if schema is None
+                      else {"json": schema}))
+    if tools is not None and tools.schema() is not None:
+        given.append(("tool_choice", {"json": tools.schema()}))
+    if len(given) > 1:
+        raise SchemaError(f"give one constraint per request, got {given[0][0]} and "
+                          f"{given[1][0]}", given[1][0])
+    if not given:
+        return None
+    name, spec = given[0]
+    return structured_outputs(spec, name)
+
+
+# how each source names the field a constraint's message speaks of
+_SPEC_NAMES = {"response_format": "response_format.json_schema.schema",
+               "guided_json": "guided_json", "guided_regex": "guided_regex",
+               "guided_choice": "guided_choice", "guided_grammar": "guided_grammar"}
+
+
+def structured_outputs(spec: dict[str, Any], param: str) -> StructuredOutputs:
+    """`StructuredOutputs(**spec)`, or a SchemaError naming `param` (its message names the
+    field as the client sent it)."""
+    try:
+        return StructuredOutputs(**spec)
+    except InvalidStructuredOutputsError as exc:
+        message = str(exc)
+        if param in _SPEC_NAMES:
+            message = re.sub(r"^structured_outputs\.[a-z_]+", _SPEC_NAMES[param], message)
+        raise SchemaError(message, param) from None
+
+
+def _tool_plan(request: ChatCompletionRequest) -> ToolPlan | None:
+    """The request's tools and tool_choice checked: names unique, each parameters schema
+    usable, a named choice among the tools. None without tools."""
+    choice = request.tool_choice
+    if not request.tools:
+        if choice is not None and choice not in ("none", "auto"):
+            raise SchemaError("tool_choice requires tools", "tool_choice")
+        return None
+    tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
+    seen: set[str] = set()
+    for i, tool in enumerate(request.tools):
+        function = tool.function
+        if function.name in seen:
+            raise SchemaError(f"tools[{i}].function.name {function.name!r} is given twice",
+                              f"tools[{i}].function.name")
+        seen.add(function.name)
+        if function.parameters is not None:
+            where = f"tools[{i}].function.parameters"
+            try:
+                StructuredOutputs(json=function.parameters)
+            except InvalidStructuredOutputsError as exc:
+                raise SchemaError(re.sub(r"^structured_outputs\.json", where, str(exc)),
+                                  where) from None
+    parallel = request.parallel_tool_calls is not False
+    if choice is None or choice == "auto":
+        return ToolPlan(ToolMode.AUTO, tools, parallel=parallel)
+    if choice == "none":
+        return ToolPlan(ToolMode.NONE, tools)
+    if choice == "required":
+        return ToolPlan(ToolMode.REQUIRED, tools, parallel=parallel)
+    name = choice.function.name
+    if name not in seen:
+        raise SchemaError(f"tool_choice names function {name!r}, which is not among the "
+                          f"tools ({', '.join(sorted(seen))})", "tool_choice")
+    return ToolPlan(ToolMode.NAMED, tools, named=name)
 
 
 def _completion(request: CompletionRequest, include_usage: bool, max_n: int) -> OpenAIRequest:
@@ -85,13 +184,26 @@ def _completion(request: CompletionRequest, include_usage: bool, max_n: int) -> 
 
 def _chat(request: ChatCompletionRequest, include_usage: bool, max_n: int) -> OpenAIRequest:
     messages = []
-    for message in request.messages:
+    for i, message in enumerate(request.messages):
         content = message.content
         if isinstance(content, list):  # OpenAI content parts, flattened to a string
             content = "".join(part.text for part in content)
-        item = {"role": message.role, "content": content}
+        if message.tool_calls is not None and message.role != "assistant":
+            raise SchemaError("only assistant messages carry tool_calls",
+                              f"messages[{i}].tool_calls")
+        if content is None and not message.tool_calls:
+            raise SchemaError(f"messages[{i}].content is required (it may be null only on "
+                              "an assistant message with tool_calls)", f"messages[{i}].content")
+        if message.role == "tool" and message.tool_call_id is None:
+            raise SchemaError(f"messages[{i}].tool_call_id is required on a tool message",
+                              f"messages[{i}].tool_call_id")
+        item: dict[str, Any] = {"role": message.role, "content": content}
         if message.name is not None:
             item["name"] = message.name
+        if message.tool_calls:
+            item["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+        if message.tool_call_id is not None:
+            item["tool_call_id"] = message.tool_call_id
         messages.append(item)
     max_tokens = request.max_completion_tokens
     if max_tokens is None:
@@ -128,10 +240,9 @@ def _reject_unsupported(request: CompletionRequest | ChatCompletionRequest) -> N
                               "several samples and choose among them yourself", "best_of")
     if request.logit_bias:
         raise SchemaError("logit_bias is not supported", "logit_bias")
-    if isinstance(request, ChatCompletionRequest):
-        for name in ("tools", "functions"):
-            if getattr(request, name):
-                raise SchemaError(f"{name} (tool calling) is not supported", name)
+    if isinstance(request, ChatCompletionRequest) and request.functions:
+        raise SchemaError("functions (the legacy form of tool calling) is not supported; "
+                          "send tools", "functions")
 
 
 # --- responses -------------------------------------------------------------------------

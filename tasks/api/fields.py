@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, JsonValue
 
 from tasks.params import (
     MAX_ABS_PENALTY,
@@ -82,3 +82,22 @@ class SamplingFields(RequestModel):
 
 
 LogprobsCount = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+
+
+class StructuredOutputsRequest(RequestModel):
+    """vLLM's `structured_outputs`: exactly one constraint on the generated text."""
+
+    json_: dict[str, JsonValue] | str | None = Field(
+        None, alias="json", description="a JSON schema (object or JSON string); the output "
+        "is one JSON value valid against it")
+    regex: Text | None = Field(None, description="the output fully matches it")
+    choice: Annotated[list[Text], Field(min_length=1)] | None = Field(
+        None, description="the output is exactly one of these strings")
+    grammar: Text | None = Field(None, description="an EBNF grammar (`root ::= ...`)")
+    json_object: bool | None = Field(None, description="true: the output is a JSON object")
+
+    def as_dict(self) -> dict[str, object]:
+        """The constraint as `tasks.structured.StructuredOutputs` takes it."""
+        return {name: value for name, value in (
+            ("json", self.json_), ("regex", self.regex), ("choice", self.choice),
+            ("grammar", self.grammar), ("json_object", self.json_object)) if value is not None}

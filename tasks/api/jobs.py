@@ -13,6 +13,7 @@ from tasks.api.fields import (
     LogprobsCount,
     RequestModel,
     SamplingFields,
+    StructuredOutputsRequest,
     Text,
     TokenId,
 )
@@ -40,6 +41,8 @@ class JobCreateRequest(SamplingFields):
         = Field(None, description="a chat, rendered with the model's chat template")
     max_tokens: Annotated[int, Field(ge=1)] | None = Field(None, description="default 16")
     logprobs: LogprobsCount | None = Field(None, description="top-n logprobs per token")
+    structured_outputs: StructuredOutputsRequest | None = Field(
+        None, description="constrain the output: a JSON schema, regex, choice or grammar")
 
 
 class JobListQuery(BaseModel):

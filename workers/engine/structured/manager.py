@@ -23,6 +23,8 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
+
 from tasks.structured import StructuredOutputs
 from workers.engine.sequence import Sequence, SequenceStatus
 from workers.engine.step_io import GrammarBitmask, SchedulerOutput
@@ -46,6 +48,9 @@ class StructuredOutputManager:
         self._pending: dict[int, Sequence] = {}  # seq_id -> sequence waiting for its grammar
         self.num_compiles = 0
         self.num_cache_hits = 0
+        # seq ids whose grammar could only end at this step's sample while min_tokens held
+        # the end back (see fill_bitmask)
+        self._must_end: set[int] = set()
 
     def close(self) -> None:
         if self._executor is not None:
@@ -129,12 +134,31 @@ class StructuredOutputManager:
             out.grammar_bitmask = None
             return
         bitmask = self.backend.allocate_bitmask(len(rows))
+        self._must_end.clear()
         for i, (seq_id, grammar, output_token_ids) in enumerate(rows):
             matcher = grammar.advance(output_token_ids)
             if matcher is None:  # advance() caught up with a token it rejects: a bug
                 raise RuntimeError(f"sequence {seq_id}: its output left its grammar")
             matcher.fill_next_token_bitmask(bitmask, i)
+            seq = seqs_by_id[seq_id]
+            if len(output_token_ids) < seq.params.min_tokens and self._only_stops(
+                    bitmask[i], seq.params.stop_token_ids):
+                # NOTE: the grammar is complete but min_tokens masks every end token: a
+                # row with nothing to sample. The grammar wins: the row samples freely
+                # this once and `advance` ends the sequence with `stop` instead of
+                # feeding that token (which, like EOS, stays out of the text).
+                bitmask[i] = -1
+                self._must_end.add(seq_id)
         out.grammar_bitmask = GrammarBitmask(seq_ids=[r[0] for r in rows], bitmask=bitmask)
+
+    def _only_stops(self, row: np.ndarray, stop_token_ids: list[int]) -> bool:
+        """Whether a bitmask row (int32 words) allows nothing but end tokens (EOS, stop
+        token ids)."""
+        rest = row.view(np.uint32).copy()
+        for token_id in (*self.backend.eos_token_ids, *stop_token_ids):
+            if token_id < 32 * len(rest):
+                rest[token_id // 32] &= np.uint32(0xFFFFFFFF ^ (1 << (token_id % 32)))
+        return not rest.any()
 
     def advance(self, sampled: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
         """Feed each constrained sequence's new token to its matcher, after a step that
@@ -145,6 +169,10 @@ class StructuredOutputManager:
         for seq in sampled:
             grammar = seq.grammar
             if grammar is None:
+                continue
+            if seq.seq_id in self._must_end:
+                self._must_end.discard(seq.seq_id)
+                terminated.append(seq)
                 continue
             matcher = grammar.advance(seq.output_token_ids)
             if matcher is None:
