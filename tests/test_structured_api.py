@@ -13,7 +13,7 @@ import pytest
 import requests
 
 import tests.test_openai_api as openai_api_tests
-from tasks.models import JobStatus
+from tasks.models import JobErrorKind, JobStatus
 from tasks.params import SamplingParams
 from tests.pipeline_helpers import read_job, wait_terminal
 
@@ -266,7 +266,9 @@ def test_a_grammar_only_the_worker_can_refuse_fails_the_job_with_a_400(base_url,
     assert re.search(r"structured_outputs.grammar is not usable: .*not defined",
                      response.json()["error"]["message"])
     job_id = response.json()["error"]["message"].split()[1]
-    assert read_job(session_factory, job_id).status == JobStatus.FAILED.value
+    row = read_job(session_factory, job_id)
+    assert row.status == JobStatus.FAILED.value
+    assert row.error_kind == JobErrorKind.INVALID_REQUEST.value  # the request's fault
 
 
 def test_streamed_auto_joins_to_the_non_streamed_answer(client, worker):

@@ -60,11 +60,12 @@ class JobState:
             reason = delta.finish_reason or FinishReason.STOP
             self.finish_reasons[index] = reason.value
             if reason is FinishReason.ERROR and self.error is None:
-                # the engine failed this request alone (a step that raised for it, a
-                # grammar that did not compile): it passed the API's checks, so the
-                # service failed it
+                # the engine failed this request alone: a grammar that did not compile is
+                # the request's fault; a step that raised for it is the service's (it
+                # passed the API's checks)
                 self.error = delta.error or "the model step failed for this request"
-                self.error_kind = JobErrorKind.SERVER_ERROR
+                self.error_kind = (JobErrorKind.INVALID_REQUEST if delta.caused_by_request
+                                   else JobErrorKind.SERVER_ERROR)
         if not delta.new_token_ids and not delta.text:
             return None
         return JobEvent(

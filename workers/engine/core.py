@@ -322,7 +322,8 @@ class Engine:
             deltas += self._fail_request(request_id, reason)
         return deltas
 
-    def _fail_request(self, request_id: str, reason: str) -> list[CompletionDelta]:
+    def _fail_request(self, request_id: str, reason: str, *,
+                      caused_by_request: bool = False) -> list[CompletionDelta]:
         """End a request alone with FINISHED_ERROR: one ERROR delta (carrying `reason`)
         per unfinished sample; [] when the request is gone already."""
         request = self._requests.pop(request_id, None)
@@ -334,6 +335,7 @@ class Engine:
         for seq in unfinished:
             delta = self._delta(seq, [], "", None)
             delta.error = reason
+            delta.caused_by_request = caused_by_request
             deltas.append(delta)
         return deltas
 
@@ -346,15 +348,17 @@ class Engine:
             reason = grammar.error if grammar is not None else None
             logger.warning("request %s: its grammar did not compile: %s", seq.request_id,
                            reason)
-            deltas += self._fail_request(seq.request_id, reason or "the grammar did not compile")
+            deltas += self._fail_request(seq.request_id, reason or "the grammar did not compile",
+                                         caused_by_request=True)
         return deltas
 
     def _advance_grammars(
         self, structured: StructuredOutputManager, sampled: list[Sequence]
     ) -> tuple[list[Sequence], list[CompletionDelta]]:
         """Feed the step's tokens to the constrained sequences' matchers: a complete
-        grammar ends its sequence with `stop`; a token the grammar refuses (a sampler
-        bug, or every allowed token masked, e.g. EOS by min_tokens) fails its request.
+        grammar ends its sequence with `stop`; a token the grammar refuses (a sampler bug)
+        fails its request. (A grammar that can only end while min_tokens holds EOS back
+        ends with `stop`: the sampler's structured path handles it.)
         Returns the sampled sequences still to report, and the ERROR deltas."""
         terminated, rejected = structured.advance(sampled)
         unfinished = [seq for seq in terminated if not seq.is_finished]

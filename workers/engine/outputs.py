@@ -31,4 +31,6 @@ class CompletionDelta:
     num_cached_tokens: int  # prompt tokens served from the prefix cache (device or tier)
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     error: str | None = None  # why, when finish_reason is ERROR
+    # the ERROR is the request's own doing (its grammar did not compile), not the service's
+    caused_by_request: bool = False
     extra: dict[str, float] = field(default_factory=dict)
