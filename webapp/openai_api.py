@@ -143,7 +143,7 @@ def _serve(kind: JobKind) -> Response:
 # --- events ------------------------------------------------------------------------------
 
 
-def _job_events(svc: Services, job_id: str,
+def job_events(svc: Services, job_id: str,
                 cooperative: bool = False) -> Iterator[JobEvent | Park | None]:
     """The job's events up to the terminal one; `None` every idle STREAM_PING_SECONDS;
     `Park` where a cooperative reader waits (see webapp/stream_server.py).
@@ -161,7 +161,7 @@ def _job_events(svc: Services, job_id: str,
             yield item[1]
             continue
         yield None
-        row = _reload(svc, job_id)
+        row = reload_job(svc, job_id)
         if row is None or not JobStatus(row.status).is_terminal:
             terminal_seen_at = None
         elif terminal_seen_at is None:
@@ -173,7 +173,7 @@ def _job_events(svc: Services, job_id: str,
             return
 
 
-def _reload(svc: Services, job_id: str) -> Job | None:
+def reload_job(svc: Services, job_id: str) -> Job | None:
     with svc.session_factory() as session:
         return session.get(Job, uuid.UUID(job_id))
 
@@ -192,9 +192,9 @@ def _wait_and_answer(svc: Services, job: Job, answer: Answer,
     deadline = time.monotonic() + svc.settings.request_timeout_seconds
     logprobs = [ChoiceLogprobs() for _ in range(answer.n)]
     terminal: JobEvent | None = None
-    for event in _job_events(svc, job_id):
+    for event in job_events(svc, job_id):
         if time.monotonic() > deadline:
-            _cancel_quietly(svc, job_id)
+            cancel_quietly(svc, job_id)
             raise APIError(504, "timeout", f"job {job_id} did not finish within "
                            f"{svc.settings.request_timeout_seconds:.0f}s and was cancelled; "
                            "lower max_tokens, or use stream: true or the jobs API "
@@ -208,7 +208,7 @@ def _wait_and_answer(svc: Services, job: Job, answer: Answer,
         elif event.type.is_terminal:
             terminal = event
             break
-    row = _reload(svc, job_id) or job
+    row = reload_job(svc, job_id) or job
     if row.status == JobStatus.FAILED.value:
         raise failed_job_error(job_id, row.error, row.error_kind)
     outputs = {int(o.get("index", 0)): o for o in (row.output or [])}
@@ -262,7 +262,7 @@ def _stream(svc: Services, job: Job, answer: Answer,
         tool_streams = [ToolCallStream(answer.tools) for _ in range(n)] if answer.tools \
             else None
         produced = [0] * n  # characters of the current attempt per choice
-        for event in _job_events(svc, job_id, cooperative):
+        for event in job_events(svc, job_id, cooperative):
             if isinstance(event, Park):
                 yield event
                 continue
@@ -308,13 +308,13 @@ def _stream(svc: Services, job: Job, answer: Answer,
             # the terminal event
             finished = True
             if event.type is EventType.ERROR:
-                row = _reload(svc, job_id)  # committed before its error event: the kind
+                row = reload_job(svc, job_id)  # committed before its error event: the kind
                 kind = row.error_kind if row is not None else None
                 body = _error_body(failed_job_error(job_id, event.error, kind))
                 yield "data: " + json.dumps(body) + "\n\n"
                 yield "data: [DONE]\n\n"
                 return
-            row = _reload(svc, job_id)
+            row = reload_job(svc, job_id)
             reasons = {int(o.get("index", 0)): o.get("finish_reason")
                        for o in ((row.output if row is not None else None) or [])}
             for i in range(n):
@@ -336,12 +336,12 @@ def _stream(svc: Services, job: Job, answer: Answer,
         if not finished:
             # the client went away (or the server is stopping): nobody reads this job
             logger.info("job %s: stream closed before the end; cancelling the job", job_id)
-            _cancel_quietly(svc, job_id)
+            cancel_quietly(svc, job_id)
 
 
-def _cancel_quietly(svc: Services, job_id: str) -> None:
+def cancel_quietly(svc: Services, job_id: str) -> None:
     try:
-        row = _reload(svc, job_id)
+        row = reload_job(svc, job_id)
         if row is not None and not JobStatus(row.status).is_terminal:
             cancel(svc, row)
     except Exception:

@@ -15,7 +15,7 @@ from tasks.models import Job, JobStatus, StoredResponse
 from tasks.protocol import events_key
 from tasks.streams.reader import Park
 from webapp.errors import APIError
-from webapp.openai_api import _cancel_quietly, _job_events, _reload
+from webapp.openai_api import cancel_quietly, job_events, reload_job
 from webapp.response_events import ResponseEvents, sse_lines
 from webapp.response_objects import message_id, response_object
 from webapp.services import Services
@@ -29,9 +29,9 @@ _POLL_SECONDS = 0.05
 def wait_for_job(svc: Services, job_id: str) -> None:
     """Until the job ends; a 504 (and the job cancelled) after the request timeout."""
     deadline = time.monotonic() + svc.settings.request_timeout_seconds
-    for event in _job_events(svc, job_id):
+    for event in job_events(svc, job_id):
         if time.monotonic() > deadline:
-            _cancel_quietly(svc, job_id)
+            cancel_quietly(svc, job_id)
             raise APIError(504, "timeout", f"response of job {job_id} did not finish within "
                            f"{svc.settings.request_timeout_seconds:.0f}s and was cancelled; "
                            "use background: true for long generations")
@@ -50,7 +50,7 @@ def stream_events(svc: Services, stored: StoredResponse, job: Job, starting_afte
     finished = False
     try:
         yield from sse_lines(events.preamble(), starting_after)
-        row = _reload(svc, job_id) or job
+        row = reload_job(svc, job_id) or job
         if JobStatus(row.status).is_terminal and not svc.redis.exists(events_key(svc.settings,
                                                                                  job_id)):
             logger.info("response %s: the job's stream expired; events rebuilt from the row",
@@ -58,7 +58,7 @@ def stream_events(svc: Services, stored: StoredResponse, job: Job, starting_afte
             finished = True
             yield from sse_lines(events.finish(response_object(stored, row)), starting_after)
             return
-        for item in _job_events(svc, job_id, cooperative):
+        for item in job_events(svc, job_id, cooperative):
             if isinstance(item, Park):
                 yield item
             elif item is None:
@@ -75,7 +75,7 @@ def stream_events(svc: Services, stored: StoredResponse, job: Job, starting_afte
         if not finished and cancel_on_close:
             logger.info("response %s: stream closed before the end; cancelling job %s",
                         stored.id, job_id)
-            _cancel_quietly(svc, job_id)
+            cancel_quietly(svc, job_id)
 
 
 def _final_row(svc: Services, job_id: str, row: Job) -> Job:
@@ -83,7 +83,7 @@ def _final_row(svc: Services, job_id: str, row: Job) -> Job:
     published, so this is at once but for a database blip; it waits a little then."""
     deadline = time.monotonic() + FINAL_ROW_WAIT_SECONDS
     while True:
-        row = _reload(svc, job_id) or row
+        row = reload_job(svc, job_id) or row
         if JobStatus(row.status).is_terminal or time.monotonic() > deadline:
             return row
         time.sleep(_POLL_SECONDS)

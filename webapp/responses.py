@@ -33,7 +33,7 @@ from webapp.auth import current_api_key_id
 from webapp.errors import APIError
 from webapp.groups import context_len
 from webapp.jobs import cancel, json_body, parse_query, served_model, submit_job, tokenize
-from webapp.openai_api import _cancel_quietly, _reload
+from webapp.openai_api import cancel_quietly, reload_job
 from webapp.response_events import text_so_far
 from webapp.response_objects import (
     conversation,
@@ -94,7 +94,7 @@ def create_response() -> Response:
                                                      cooperative), headers)
     if not req.background:
         wait_for_job(svc, str(job.id))
-        job = _reload(svc, str(job.id)) or job
+        job = reload_job(svc, str(job.id)) or job
     return Response(json.dumps(response_object(stored, job), separators=(",", ":")),
                     mimetype="application/json", headers=headers)
 
@@ -157,7 +157,7 @@ def cancel_response(response_id: str) -> Response:
         cancel(svc, job)
         deadline = time.monotonic() + CANCEL_WAIT_SECONDS
         while time.monotonic() < deadline:
-            job = _reload(svc, job_id) or job
+            job = reload_job(svc, job_id) or job
             if JobStatus(job.status).is_terminal:
                 break
             time.sleep(_POLL_SECONDS)
@@ -173,7 +173,7 @@ def delete_response(response_id: str) -> Response:
         session.execute(update(StoredResponse).where(StoredResponse.id == stored.id)
                         .values(deleted=True))
     if not JobStatus(job.status).is_terminal:
-        _cancel_quietly(svc, str(job.id))
+        cancel_quietly(svc, str(job.id))
     logger.info("response %s deleted (job %s)", stored.id, job.id)
     return jsonify({"id": stored.id, "object": "response.deleted", "deleted": True})
 
@@ -236,7 +236,7 @@ def _store(svc: Services, req: ResponseCreateRequest, job: Job,
             session.add(stored)
     except Exception:
         # the job must not run for a response nobody can see
-        _cancel_quietly(svc, str(job.id))
+        cancel_quietly(svc, str(job.id))
         raise
     logger.info("response %s stored (job %s, background %s)", stored.id, job.id,
                 stored.background)
