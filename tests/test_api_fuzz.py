@@ -36,7 +36,10 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", 
           "min_tokens", "n", "presence_penalty", "frequency_penalty", "repetition_penalty",
           "logprobs", "top_logprobs", "priority", "echo", "stream_options", "best_of",
           "logit_bias", "suffix", "user", "metadata", "response_format", "tools",
-          "unknown_field", "\ud800", ""]
+          "tool_choice", "parallel_tool_calls", "structured_outputs", "guided_json",
+          "guided_regex", "guided_choice", "guided_grammar", "json", "regex", "choice",
+          "grammar", "json_object", "json_schema", "schema", "strict", "function",
+          "parameters", "name", "tool_calls", "tool_call_id", "unknown_field", "\ud800", ""]
 INTS = [0, -1, 1, 2, 16, 511, 512, 1024, 2047, 2048, 2**31, 2**63 - 1, 2**63, 2**64,
         -(2**63) - 1, 10**30, 10**300, 10**4000]
 FLOATS = [0.0, -0.0, 5e-324, 1e-320, 1e-45, 1e-40, 1e-5, 0.5, 1.0, 2.0, 2.0000001, 100.0,
