@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import redis
+import sqlalchemy.exc
 from flask import Blueprint, Response
 
 from tasks.models import Job, JobKind, JobStatus
@@ -344,5 +346,9 @@ def cancel_quietly(svc: Services, job_id: str) -> None:
         row = reload_job(svc, job_id)
         if row is not None and not JobStatus(row.status).is_terminal:
             cancel(svc, row)
+    except (sqlalchemy.exc.OperationalError, redis.ConnectionError) as exc:
+        # the database or Redis is down: a line, not a traceback per stream
+        logger.warning("job %s: could not cancel after the client left (%s)", job_id,
+                       str(exc).strip().splitlines()[0])
     except Exception:
         logger.warning("job %s: could not cancel after the client left", job_id, exc_info=True)
