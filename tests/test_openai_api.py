@@ -3,6 +3,7 @@ HTTP, real Postgres and Redis, and a real device-group worker process."""
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import openai
@@ -197,3 +198,32 @@ def test_stream_disconnect_cancels_the_job(client, worker, session_factory):
     row = wait_terminal(session_factory, job_id, timeout=60)
     assert row.status == JobStatus.CANCELLED.value
     assert row.completion_tokens is None or row.completion_tokens < 2000
+
+
+def test_an_idempotency_key_answers_from_the_first_job(base_url, worker, session_factory):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "count to three"}],
+            "max_tokens": 8, "temperature": 0.0}
+    headers = {"Idempotency-Key": f"chat-{uuid.uuid4().hex}"}
+    url = f"{base_url}/v1/chat/completions"
+    first = requests.post(url, json=body, headers=headers, timeout=120)
+    assert first.status_code == 200, first.text
+    jobs = _count_jobs(session_factory)
+    again = requests.post(url, json=body, headers=headers, timeout=120)
+    assert again.status_code == 200, again.text
+    assert again.headers["X-Llmq-Job-Id"] == first.headers["X-Llmq-Job-Id"]
+    assert again.json()["id"] == first.json()["id"]
+    assert again.json()["choices"] == first.json()["choices"]
+    # a streamed retry (how the answer is delivered is not part of the job) replays the
+    # same job from its first event
+    streamed = requests.post(url, json={**body, "stream": True}, headers=headers, timeout=120)
+    assert streamed.status_code == 200, streamed.text
+    chunks = [json.loads(line[len("data: "):]) for line in streamed.text.splitlines()
+              if line.startswith("data: {")]
+    assert {chunk["id"] for chunk in chunks} == {first.json()["id"]}
+    assert "".join(chunk["choices"][0]["delta"].get("content") or "" for chunk in chunks
+                   if chunk["choices"]) == first.json()["choices"][0]["message"]["content"]
+    assert _count_jobs(session_factory) == jobs  # no new job for either retry
+    other = requests.post(url, json={**body, "max_tokens": 9}, headers=headers, timeout=120)
+    assert other.status_code == 422
+    assert other.json()["error"]["param"] == "Idempotency-Key"
+    assert "params differ" in other.json()["error"]["message"]

@@ -4,12 +4,15 @@ Plus the event numbering on its own (`webapp/response_events.py`)."""
 
 from __future__ import annotations
 
+import uuid
+
 import openai
 import pytest
 import requests
+from sqlalchemy import select
 
 from tasks.auth import create_api_key
-from tasks.models import JobStatus
+from tasks.models import JobStatus, StoredResponse
 from tasks.protocol import EventType, JobEvent, events_key
 from tests.pipeline_helpers import read_job, running_worker, wait_for, wait_terminal
 from webapp.response_events import ResponseEvents, text_so_far
@@ -357,3 +360,30 @@ def test_an_expired_stream_is_rebuilt_from_the_row(client, worker, redis_client,
     assert deltas == [done.output_text]
     assert events[-1].type == "response.incomplete"
     assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+@pytest.mark.integration
+def test_an_idempotency_key_returns_the_first_response(base_url, worker, session_factory):
+    body = {"model": "tiny", "input": PROMPT, "background": True, "max_output_tokens": 6}
+    headers = {"Idempotency-Key": f"resp-{uuid.uuid4().hex}"}
+    url = f"{base_url}/v1/responses"
+    first = requests.post(url, json=body, headers=headers, timeout=60)
+    assert first.status_code == 200, first.text
+    again = requests.post(url, json=body, headers=headers, timeout=60)
+    assert again.status_code == 200, again.text
+    assert again.json()["id"] == first.json()["id"]
+    with session_factory() as session:
+        rows = session.scalars(select(StoredResponse).where(
+            StoredResponse.id == first.json()["id"])).all()
+    assert len(rows) == 1
+    other = requests.post(url, json={**body, "max_output_tokens": 7}, headers=headers,
+                          timeout=60)
+    assert other.status_code == 422 and other.json()["error"]["param"] == "Idempotency-Key"
+    # the same key on a plain job: not a response
+    job_key = {"Idempotency-Key": f"job-{uuid.uuid4().hex}"}
+    job = requests.post(f"{base_url}/v1/jobs", json={
+        "model": "tiny", "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": 6}, headers=job_key, timeout=60)
+    assert job.status_code == 202, job.text
+    reused = requests.post(url, json=body, headers=job_key, timeout=60)
+    assert reused.status_code == 422, reused.text

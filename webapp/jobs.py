@@ -92,7 +92,7 @@ def create_job() -> tuple[Response, int]:
     model = served_model(job_request.model)
     prompt_text, prompt_token_ids = tokenize(model, job_request)
     job, created = submit_job(job_request, prompt_text, prompt_token_ids,
-                              api_key_id=api_key_id, idempotency_key=_idempotency_key())
+                              api_key_id=api_key_id, idempotency_key=idempotency_key_header())
     if not created:
         return jsonify(job_to_dict(job)), 200
     response = jsonify(job_to_dict(job))
@@ -390,7 +390,8 @@ def tokenize(model: ServedModel, job_request: JobRequest,
     return text, token_ids
 
 
-def _idempotency_key() -> str | None:
+def idempotency_key_header() -> str | None:
+    """The request's `Idempotency-Key` (trimmed), None without one; a 400 when malformed."""
     key = request.headers.get("Idempotency-Key")
     if key is None:
         return None

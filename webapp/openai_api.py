@@ -34,7 +34,14 @@ from webapp.auth import current_api_key_id
 from webapp.errors import APIError, failed_job_error
 from webapp.events import terminal_event_from_row
 from webapp.groups import context_len
-from webapp.jobs import cancel, json_body, served_model, submit_job, tokenize
+from webapp.jobs import (
+    cancel,
+    idempotency_key_header,
+    json_body,
+    served_model,
+    submit_job,
+    tokenize,
+)
 from webapp.openai_format import (
     ChoiceLogprobs,
     OpenAIRequest,
@@ -122,7 +129,10 @@ def _serve(kind: JobKind) -> Response:
     if req.fill_max_tokens:
         req.job.params.max_tokens = max(req.job.params.min_tokens, 1,
                                         context_len(model) - len(prompt_token_ids))
-    job, _ = submit_job(req.job, prompt_text, prompt_token_ids, api_key_id=api_key_id)
+    # a repeated Idempotency-Key with the same request answers from the first job (streamed
+    # from its first event); with a different request it is a 422
+    job, _ = submit_job(req.job, prompt_text, prompt_token_ids, api_key_id=api_key_id,
+                        idempotency_key=idempotency_key_header())
     tokenizer = model.tokenizer
     echo_text = None
     if req.echo:

@@ -126,7 +126,7 @@ OPERATIONS: tuple[Operation, ...] = (
               "answers text/event-stream events (ResponseStreamEvent) numbered by "
               "sequence_number",
               "responses", {200: {JSON: responses_api.Response, SSE: None}, **_OPENAI_ERRORS},
-              body=responses_api.ResponseCreateRequest),
+              body=responses_api.ResponseCreateRequest, params=(IDEMPOTENCY_KEY,)),
     Operation("get", "/v1/responses/{response_id}", "getResponse", "A response (output so "
               "far while it runs); `stream=true` replays its events after `starting_after` "
               "and follows them live", "responses",

@@ -19,7 +19,7 @@ import uuid
 
 import redis
 from flask import Blueprint, Response, jsonify
-from sqlalchemy import update
+from sqlalchemy import select, update
 
 from tasks.api.responses import (
     InputItemListQuery,
@@ -32,7 +32,15 @@ from tasks.schema import SchemaError, build_job_request
 from webapp.auth import current_api_key_id
 from webapp.errors import APIError
 from webapp.groups import context_len
-from webapp.jobs import cancel, json_body, parse_query, served_model, submit_job, tokenize
+from webapp.jobs import (
+    cancel,
+    idempotency_key_header,
+    json_body,
+    parse_query,
+    served_model,
+    submit_job,
+    tokenize,
+)
 from webapp.openai_api import cancel_quietly, reload_job
 from webapp.response_events import text_so_far
 from webapp.response_objects import (
@@ -52,6 +60,8 @@ logger = logging.getLogger(__name__)
 bp = Blueprint("responses", __name__, url_prefix="/v1/responses")
 
 CANCEL_WAIT_SECONDS = 5.0  # a running job's worker stops it at its next step
+# a retried create finds the first request's job at once, its response row a moment later
+IDEMPOTENT_ROW_WAIT_SECONDS = 2.0
 _POLL_SECONDS = 0.05
 
 
@@ -84,8 +94,9 @@ def create_response() -> Response:
     if req.max_output_tokens is None:
         job_request.params.max_tokens = max(job_request.params.min_tokens, 1,
                                             context_len(model) - len(prompt_token_ids))
-    job, _ = submit_job(job_request, prompt_text, prompt_token_ids, api_key_id=api_key_id)
-    stored = _store(svc, req, job, own_input)
+    job, created = submit_job(job_request, prompt_text, prompt_token_ids,
+                              api_key_id=api_key_id, idempotency_key=idempotency_key_header())
+    stored = _store(svc, req, job, own_input) if created else _stored_for(svc, job)
     headers = {"X-Llmq-Job-Id": str(job.id)}
     if req.stream:
         background = bool(req.background)
@@ -221,6 +232,25 @@ def _previous(svc: Services, previous_id: str,
                        f"{previous_id!r} has not finished; continue it once it has",
                        "previous_response_id")
     return found
+
+
+def _stored_for(svc: Services, job: Job) -> StoredResponse:
+    """The response of `job`, which a repeated Idempotency-Key found: the first request's
+    row (waited for briefly: it is written just after its job), or a 422 when the key was
+    used for a job that is not a response."""
+    deadline = time.monotonic() + IDEMPOTENT_ROW_WAIT_SECONDS
+    while True:
+        with svc.session_factory() as session:
+            stored = session.scalars(select(StoredResponse).where(
+                StoredResponse.job_id == job.id)).first()
+        if stored is not None and not stored.deleted:
+            return stored
+        if stored is not None or time.monotonic() >= deadline:
+            raise APIError(422, "idempotency_key_reused",
+                           f"Idempotency-Key was used for job {job.id}, which is not a "
+                           "(live) response; use a new key for a new request",
+                           "Idempotency-Key")
+        time.sleep(_POLL_SECONDS)
 
 
 def _store(svc: Services, req: ResponseCreateRequest, job: Job,
