@@ -25,6 +25,7 @@ from typing import Any
 from flask import Blueprint, Response
 
 from tasks.models import Job, JobKind, JobStatus
+from tasks.openai_body import completion_object, response_id, usage_dict
 from tasks.protocol import EventType, JobEvent
 from tasks.schema import SchemaError
 from tasks.streams.reader import Park
@@ -39,7 +40,6 @@ from webapp.openai_format import (
     chat_logprobs,
     completion_logprobs,
     parse_openai_request,
-    usage_dict,
 )
 from webapp.services import Services, services
 from webapp.streaming import event_stream_response
@@ -122,7 +122,7 @@ def _serve(kind: JobKind) -> Response:
     if req.echo:
         echo_text = prompt_text if prompt_text is not None else tokenizer.decode(prompt_token_ids)
     answer = Answer(
-        kind=kind, id=("cmpl-" if kind is JobKind.COMPLETION else "chatcmpl-") + job.id.hex,
+        kind=kind, id=response_id(kind, job.id.hex),
         created=int(job.created_at.timestamp()), model=job.model, n=req.job.params.n,
         echo_text=echo_text, num_logprobs=req.num_logprobs, include_usage=req.include_usage,
         decode=lambda token_id: tokenizer.decode([token_id]),
@@ -207,27 +207,15 @@ def _wait_and_answer(svc: Services, job: Job, answer: Answer,
     row = _reload(svc, job_id) or job
     if row.status == JobStatus.FAILED.value:
         raise failed_job_error(job_id, row.error)
-    outputs = {int(o.get("index", 0)): o for o in (row.output or [])}
-    choices = []
-    for i in range(answer.n):
-        output = outputs.get(i, {})
-        text = output.get("text", "")
-        finish_reason = output.get("finish_reason") or row.finish_reason
-        prefix = answer.echo_text or ""
-        choice: dict[str, Any] = {"index": i}
-        if answer.kind is JobKind.COMPLETION:
-            choice["text"] = prefix + text
-        else:
-            choice["message"] = {"role": "assistant", "content": text}
-        choice["logprobs"] = answer.logprobs(logprobs[i], len(prefix))
-        choice["finish_reason"] = finish_reason
-        choices.append(choice)
     usage = terminal.usage if terminal is not None and terminal.usage else {
         "prompt_tokens": row.prompt_tokens or 0, "completion_tokens": row.completion_tokens or 0,
         "cached_tokens": row.cached_tokens or 0}
-    return {"id": answer.id, "object": answer.object, "created": answer.created,
-            "model": answer.model, "choices": choices, "usage": usage_dict(usage),
-            "system_fingerprint": None}
+    prefix = answer.echo_text or ""
+    return completion_object(
+        kind=answer.kind, id=answer.id, created=answer.created, model=answer.model, n=answer.n,
+        output=row.output, finish_reason=row.finish_reason, usage=usage,
+        echo_text=answer.echo_text,
+        choice_logprobs=[answer.logprobs(logprobs[i], len(prefix)) for i in range(answer.n)])
 
 
 # --- streaming -----------------------------------------------------------------------------
