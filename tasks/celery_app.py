@@ -16,6 +16,7 @@ from celery import Celery
 from kombu.transport import redis as kombu_redis
 
 from tasks.protocol import (
+    BATCH_SWEEP_TASK,
     EXPIRE_STREAMS_TASK,
     GENERATE_TASK,
     RECLAIM_TASK,
@@ -29,6 +30,8 @@ logger = logging.getLogger(__name__)
 # how long a message fetched by a worker that died before acking waits to come back.
 VISIBILITY_TIMEOUT_SECONDS = 3600
 EXPIRE_STREAMS_INTERVAL_SECONDS = 60.0
+BATCH_SWEEP_INTERVAL_SECONDS = 5.0  # finalize batches nobody polls; expire overdue ones
+BATCH_MESSAGE_PRIORITY = 9  # kombu Redis: the last of the priority steps (0, 3, 6, 9)
 # The web must answer 503 quickly when the broker is down, not retry for minutes.
 PUBLISH_RETRY_POLICY = {"max_retries": 2, "interval_start": 0.0, "interval_step": 0.2,
                         "interval_max": 0.5}
@@ -111,6 +114,7 @@ def create_celery(settings: Settings, *, beat: bool = False) -> Celery:
             RECLAIM_TASK: {"queue": maintenance_queue(settings)},
             RESEND_QUEUED_TASK: {"queue": maintenance_queue(settings)},
             EXPIRE_STREAMS_TASK: {"queue": maintenance_queue(settings)},
+            BATCH_SWEEP_TASK: {"queue": maintenance_queue(settings)},
         },
         worker_hijack_root_logger=False,
         timezone="UTC",
@@ -126,7 +130,8 @@ def create_celery(settings: Settings, *, beat: bool = False) -> Celery:
 
 def beat_schedule(settings: Settings) -> dict[str, dict[str, object]]:
     """Reclaim about as often as workers renew leases, look for stranded queued jobs a few
-    times per `queued_resend_seconds`, expire streams every minute."""
+    times per `queued_resend_seconds`, expire streams every minute, finalize and expire
+    batches every few seconds."""
     return {
         "reclaim-expired-leases": {
             "task": RECLAIM_TASK,
@@ -143,13 +148,24 @@ def beat_schedule(settings: Settings) -> dict[str, dict[str, object]]:
             "schedule": EXPIRE_STREAMS_INTERVAL_SECONDS,
             "options": {"queue": maintenance_queue(settings), "expires": 300},
         },
+        "sweep-batches": {
+            "task": BATCH_SWEEP_TASK,
+            "schedule": BATCH_SWEEP_INTERVAL_SECONDS,
+            "options": {"queue": maintenance_queue(settings), "expires": 60},
+        },
     }
 
 
-def send_generate(app: Celery, settings: Settings, job_id: str, model: str) -> None:
+def send_generate(app: Celery, settings: Settings, job_id: str, model: str, *,
+                  batch: bool = False) -> None:
     """Enqueue `generate(job_id)` on the model's queue (the body lives in workers/).
 
-    Raises kombu/redis connection errors when the broker is unreachable.
+    `batch`: a batch line's job, sent at the broker's lowest priority step so a worker
+    fetches every waiting interactive message first (kombu's Redis transport pops the
+    priority lists in order, 0 first). Raises kombu/redis connection errors when the
+    broker is unreachable.
     """
-    app.send_task(GENERATE_TASK, args=[job_id], queue=settings.queue_for(model))
+    priority = BATCH_MESSAGE_PRIORITY if batch else None
+    app.send_task(GENERATE_TASK, args=[job_id], queue=settings.queue_for(model),
+                  priority=priority)
     logger.debug("sent %s for job %s to %s", GENERATE_TASK, job_id, settings.queue_for(model))

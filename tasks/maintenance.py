@@ -26,11 +26,14 @@ from redis import Redis
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from tasks.api.batches import is_batch_priority
+from tasks.batches import sweep_batches
 from tasks.broker_queue import pending_job_ids
 from tasks.celery_app import send_generate
 from tasks.db import create_db_engine, make_sessionmaker, update_count, utcnow
 from tasks.models import Job, JobStatus
 from tasks.protocol import (
+    BATCH_SWEEP_TASK,
     EXPIRE_STREAMS_TASK,
     RECLAIM_TASK,
     RESEND_QUEUED_TASK,
@@ -177,20 +180,21 @@ def resend_stranded_jobs(
     cutoff = utcnow() - timedelta(seconds=settings.queued_resend_seconds)
     with session_factory() as session:
         rows = session.execute(
-            select(Job.id, Job.model)
+            select(Job.id, Job.model, Job.priority)
             .where(Job.status == JobStatus.QUEUED.value, Job.created_at < cutoff)
             .order_by(Job.created_at)
             .limit(RECLAIM_BATCH)
         ).all()
     pending: dict[str, set[str]] = {}
     sent: list[str] = []
-    for job_uuid, model in rows:
+    for job_uuid, model, priority in rows:
         if model not in pending:
             pending[model] = pending_job_ids(redis, settings, model)
         job_id = str(job_uuid)
         if job_id in pending[model]:
             continue
-        send_generate(celery_app, settings, job_id, model)
+        send_generate(celery_app, settings, job_id, model,
+                      batch=is_batch_priority(priority or 0))
         pending[model].add(job_id)
         sent.append(job_id)
         logger.warning("job %s: queued with no generate message waiting; sent one again",
@@ -286,8 +290,8 @@ class _Resources:
 
 
 def register_maintenance_tasks(app: Celery, settings: Settings) -> None:
-    """Register `RECLAIM_TASK`, `RESEND_QUEUED_TASK` and `EXPIRE_STREAMS_TASK` on `app`
-    (bodies above)."""
+    """Register `RECLAIM_TASK`, `RESEND_QUEUED_TASK`, `EXPIRE_STREAMS_TASK` and
+    `BATCH_SWEEP_TASK` on `app` (bodies above and in `tasks.batches`)."""
     resources = _Resources(settings)
 
     @app.task(name=RECLAIM_TASK, ignore_result=True)
@@ -302,6 +306,10 @@ def register_maintenance_tasks(app: Celery, settings: Settings) -> None:
     def resend_task() -> int:
         return len(resend_stranded_jobs(settings, resources.session_factory, resources.redis,
                                         app))
+
+    @app.task(name=BATCH_SWEEP_TASK, ignore_result=True)
+    def sweep_batches_task() -> int:
+        return sweep_batches(resources.session_factory, resources.redis, settings)
 
     @app.task(name=EXPIRE_STREAMS_TASK, ignore_result=True)
     def expire_streams_task() -> int:

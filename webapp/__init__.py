@@ -13,7 +13,18 @@ logger = logging.getLogger(__name__)
 
 def create_app(settings: Settings | None = None) -> Flask:
     """The API app for `settings` (default: `Settings.from_env()`). Connects to nothing yet."""
-    from webapp import dashboard, errors, events, jobs, meta, metrics, openai_api, openapi
+    from webapp import (
+        batches,
+        dashboard,
+        errors,
+        events,
+        files,
+        jobs,
+        meta,
+        metrics,
+        openai_api,
+        openapi,
+    )
     from webapp.services import Services
 
     settings = settings if settings is not None else Settings.from_env()
@@ -26,6 +37,8 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.register_blueprint(events.bp)
     app.register_blueprint(meta.bp)
     app.register_blueprint(openai_api.bp)
+    app.register_blueprint(files.bp)
+    app.register_blueprint(batches.bp)
     app.register_blueprint(metrics.bp)
     app.register_blueprint(dashboard.bp)
     app.register_blueprint(openapi.bp)
