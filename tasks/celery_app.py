@@ -31,7 +31,6 @@ logger = logging.getLogger(__name__)
 VISIBILITY_TIMEOUT_SECONDS = 3600
 EXPIRE_STREAMS_INTERVAL_SECONDS = 60.0
 BATCH_SWEEP_INTERVAL_SECONDS = 5.0  # finalize batches nobody polls; expire overdue ones
-BATCH_MESSAGE_PRIORITY = 9  # kombu Redis: the last of the priority steps (0, 3, 6, 9)
 # The web must answer 503 quickly when the broker is down, not retry for minutes.
 PUBLISH_RETRY_POLICY = {"max_retries": 2, "interval_start": 0.0, "interval_step": 0.2,
                         "interval_max": 0.5}
@@ -156,16 +155,10 @@ def beat_schedule(settings: Settings) -> dict[str, dict[str, object]]:
     }
 
 
-def send_generate(app: Celery, settings: Settings, job_id: str, model: str, *,
-                  batch: bool = False) -> None:
+def send_generate(app: Celery, settings: Settings, job_id: str, model: str) -> None:
     """Enqueue `generate(job_id)` on the model's queue (the body lives in workers/).
 
-    `batch`: a batch line's job, sent at the broker's lowest priority step so a worker
-    fetches every waiting interactive message first (kombu's Redis transport pops the
-    priority lists in order, 0 first). Raises kombu/redis connection errors when the
-    broker is unreachable.
+    Raises kombu/redis connection errors when the broker is unreachable.
     """
-    priority = BATCH_MESSAGE_PRIORITY if batch else None
-    app.send_task(GENERATE_TASK, args=[job_id], queue=settings.queue_for(model),
-                  priority=priority)
+    app.send_task(GENERATE_TASK, args=[job_id], queue=settings.queue_for(model))
     logger.debug("sent %s for job %s to %s", GENERATE_TASK, job_id, settings.queue_for(model))

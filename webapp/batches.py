@@ -6,8 +6,10 @@ the whole batch at validation, its problems in `errors.data` with their line num
 OpenAI does). Every other line becomes a job (`jobs.batch_id`, `custom_id`,
 `batch_index`) in the batch band (`tasks.api.batches.BATCH_PRIORITY`): a body the served
 model refuses is a failed job from the start, so it reaches the error file as a failed
-request (status 400) like at OpenAI. The rest of a batch's life (cancel, expiry, the
-output and error files) is `tasks/batches.py`'s.
+request (status 400) like at OpenAI. Batch lines get no broker message: a device group's
+batch feeder (workers/batch_feeder.py) claims them from the table while it has spare room,
+so they never sit ahead of an interactive request in the broker. The rest of a batch's
+life (cancel, expiry, the output and error files) is `tasks/batches.py`'s.
 """
 
 from __future__ import annotations
@@ -38,7 +40,6 @@ from tasks.batches import (
     request_counts,
     window_passed,
 )
-from tasks.celery_app import send_generate
 from tasks.db import update_count, utcnow
 from tasks.files import read_file_bytes
 from tasks.models import Batch, BatchStatus, Job, JobErrorKind, JobKind, JobStatus
@@ -96,7 +97,6 @@ def create_batch() -> tuple[Response, int] | Response:
     batch_id = batch.id
     jobs = [_line_job(svc, kind, index, line, api_key_id, batch_id, now)
             for index, line in enumerate(lines)]
-    queued = [(str(job.id), job.model) for job in jobs if job.status == JobStatus.QUEUED.value]
     batch.status = BatchStatus.IN_PROGRESS.value
     batch.num_total = len(jobs)
     batch.in_progress_at = now
@@ -105,7 +105,6 @@ def create_batch() -> tuple[Response, int] | Response:
         session.add(batch)
         session.flush()  # the batch before its jobs (their foreign key)
         session.add_all(jobs)
-    _send_all(svc, batch_id, queued)
     finalize_if_done(svc.session_factory, batch_id)  # every line may have failed already
     logger.info("batch %s in progress: %d requests to %s", batch_id, len(jobs), req.endpoint)
     return jsonify(_answer(svc, batch_id))
@@ -270,17 +269,6 @@ def _fill_job(svc: Services, kind: JobKind, body: dict[str, Any], job: Job) -> N
     job.prompt_tokens = len(prompt_token_ids)
     job.status = JobStatus.QUEUED.value
 
-
-def _send_all(svc: Services, batch_id: str, jobs: list[tuple[str, str]]) -> None:
-    """A `generate` message per queued job (id, model), in the broker's batch band. A
-    message that cannot go out now is sent by beat's resend pass (the rows are queued)."""
-    for sent, (job_id, model) in enumerate(jobs):
-        try:
-            send_generate(svc.celery, svc.settings, job_id, model, batch=True)
-        except Exception:
-            logger.warning("batch %s: %d of %d generate messages sent; beat's resend pass "
-                           "sends the rest", batch_id, sent, len(jobs), exc_info=True)
-            return
 
 
 # --- answers -----------------------------------------------------------------------------

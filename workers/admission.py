@@ -18,7 +18,7 @@ from datetime import UTC, timedelta
 from enum import Enum
 from typing import Any, Protocol
 
-from sqlalchemy import Row, update
+from sqlalchemy import Row, ScalarSelect, select, update
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -139,6 +139,34 @@ class JobAdmission:
         if row is None:
             logger.info("job %s is not queued any more; skipped", job_id)
             return GenerateOutcome.SKIPPED
+        return self._take(job_id, row)
+
+    def run_next_batch_job(self, model: str) -> GenerateOutcome | None:
+        """Claim any queued batch line of `model` and hand it to the batcher, as `run` does
+        for a message; None when there is none (or the group is draining). The caller (the
+        batch feeder) asks only while the group has spare room."""
+        with self._cv:
+            if self._closed:
+                return None
+            self._num_in_flight += 1
+        try:
+            # NOTE: SKIP LOCKED: groups claiming at once take different rows (Postgres; the
+            # conditional UPDATE alone keeps a claim single elsewhere)
+            next_line = (select(Job.id).where(Job.model == model,
+                                              Job.status == JobStatus.QUEUED.value,
+                                              Job.batch_id.is_not(None))
+                         .limit(1).with_for_update(skip_locked=True).scalar_subquery())
+            row = self._claim(next_line)
+            if row is None:
+                return None
+            return self._take(str(row.id), row)
+        finally:
+            with self._cv:
+                self._num_in_flight -= 1
+                self._cv.notify_all()
+
+    def _take(self, job_id: str, row: Row[Any]) -> GenerateOutcome:
+        """The claimed row `job_id` to the batcher (or failed, cancelled, given back)."""
         attempt = int(row.attempts)
         self.writer.own(job_id, attempt)
         logger.info("job %s claimed by %s (attempt %d)", job_id, self.group_id, attempt)
@@ -160,11 +188,12 @@ class JobAdmission:
             return GenerateOutcome.REQUEUED
         return GenerateOutcome.ADMITTED
 
-    def _claim(self, job_uuid: uuid.UUID) -> Row[Any] | None:
+    def _claim(self, job: uuid.UUID | ScalarSelect[Any]) -> Row[Any] | None:
+        """Claim the job `job` (an id, or a subquery choosing one) if it is queued."""
         now = utcnow()
         statement = (
             update(Job)
-            .where(Job.id == job_uuid, Job.status == JobStatus.QUEUED.value)
+            .where(Job.id == job, Job.status == JobStatus.QUEUED.value)
             .values(
                 status=JobStatus.RUNNING.value,
                 worker=self.group_id,
@@ -174,7 +203,7 @@ class JobAdmission:
                 finish_reason=None,
                 error=None,
             )
-            .returning(Job.prompt, Job.prompt_token_ids, Job.params, Job.priority,
+            .returning(Job.id, Job.prompt, Job.prompt_token_ids, Job.params, Job.priority,
                        Job.attempts, Job.created_at)
         )
         # NOTE: one statement, so no transaction around it (one round trip, atomic by

@@ -149,6 +149,10 @@ class Batcher:
         """
         return self._inbox.admit(job, timeout)
 
+    def wait_batch_room(self, timeout: float) -> bool:
+        """Whether a batch line would be admitted now, waiting up to `timeout` seconds."""
+        return self._inbox.wait_batch_room(timeout)
+
     def cancel(self, job_id: str) -> None:
         """Ask to cancel `job_id` before the next step (ignored if it is not ours)."""
         self._inbox.cancel(job_id)

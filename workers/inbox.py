@@ -85,6 +85,20 @@ class JobInbox:
             self._cv.notify_all()
         return True
 
+    def wait_batch_room(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds until a one-sample batch line would be admitted
+        without waiting; returns whether it would (admission asks before it claims, so a
+        batch line never holds a task thread while the group has no spare room)."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while self._admitting and self._num_active_samples > 0 and (
+                    self._num_active_samples + 1 > self.batch_capacity):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cv.wait(remaining)
+            return self._admitting
+
     def cancel(self, job_id: str) -> None:
         """Record a cancel request; it also releases `job_id` if it waits in `admit`."""
         with self._cv:
