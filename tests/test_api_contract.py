@@ -84,7 +84,9 @@ def test_the_document_is_valid_openapi_3_1_and_describes_streams():
         assert vllm_field in request
     listing = document["paths"]["/v1/jobs"]["get"]["parameters"]
     assert {p["name"] for p in listing} == {"limit", "after", "status", "model",
-                                           "created_after", "created_before"}
+                                           "created_after", "created_before", "batch_id"}
+    upload = document["paths"]["/v1/files"]["post"]["requestBody"]["content"]
+    assert set(upload) == {"multipart/form-data"}
 
 
 def test_docs_page_and_its_assets_are_served_from_the_package(contract_app):

@@ -120,7 +120,7 @@ def test_a_file_over_the_size_limit_is_a_413(start_web, service_settings):
 
 
 def test_batch_outputs_equal_direct_requests_and_a_bad_body_fails_its_line(
-        client, worker, session_factory):
+        client, base_url, worker, session_factory):
     prompts = ["name three colours", "count to five", "say hello"]
     lines = [_chat_line(f"req-{i}", p) for i, p in enumerate(prompts)]
     lines.append(_chat_line("bad", "x", max_tokens=0))  # refused as the direct request is
@@ -135,6 +135,10 @@ def test_batch_outputs_equal_direct_requests_and_a_bad_body_fails_its_line(
                                .order_by(Job.batch_index)).all()
     assert [job.custom_id for job in jobs] == ["req-0", "req-1", "req-2", "bad"]
     assert jobs[3].status == JobStatus.FAILED.value
+    listed = requests.get(f"{base_url}/v1/jobs", params={"batch_id": batch.id}, timeout=30)
+    assert sorted(job["custom_id"] for job in listed.json()["data"]) == [
+        "bad", "req-0", "req-1", "req-2"]
+    assert {job["batch_id"] for job in listed.json()["data"]} == {batch.id}
 
     done = _wait_status(client, batch.id, ("completed", "failed", "expired", "cancelled"))
     assert done.status == "completed" and done.completed_at and done.output_file_id

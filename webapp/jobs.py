@@ -126,6 +126,8 @@ def list_jobs() -> Response:
         statement = statement.where(Job.status.in_(statuses))
     if query.model:
         statement = statement.where(Job.model == query.model)
+    if query.batch_id:
+        statement = statement.where(Job.batch_id == query.batch_id)
     if query.created_after is not None:
         statement = statement.where(Job.created_at >= query.created_after)
     if query.created_before is not None:
