@@ -261,6 +261,29 @@ def test_batches_survive_a_web_restart(start_web, service_settings, client, work
     _every_line_once(other, other.batches.retrieve(batch.id), [c["custom_id"] for c in lines])
 
 
+def test_the_cli_submits_follows_and_fetches_a_batch(base_url, worker, tmp_path, capsys):
+    from llmq.cli import main
+
+    lines = [_chat_line(f"cli{i}", f"word {i}") for i in range(3)]
+    path = tmp_path / "requests.jsonl"
+    path.write_bytes(_jsonl(lines))
+    assert main(["batch", "submit", str(path), "--url", base_url, "--wait"]) == 0
+    out = capsys.readouterr().out
+    batch_id = out.splitlines()[0]
+    assert batch_id.startswith("batch_") and '"status": "completed"' in out
+    assert main(["batch", "status", batch_id, "--url", base_url]) == 0
+    assert json.loads(capsys.readouterr().out)["request_counts"]["completed"] == 3
+    results = tmp_path / "results.jsonl"
+    assert main(["batch", "results", batch_id, "--url", base_url, "-o", str(results)]) == 0
+    found = [json.loads(line) for line in results.read_text().splitlines()]
+    assert sorted(line["custom_id"] for line in found) == ["cli0", "cli1", "cli2"]
+    # a file with an invalid line: the batch fails and the line is named
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    assert main(["batch", "submit", str(bad), "--url", base_url]) == 1
+    assert "line 1:" in capsys.readouterr().err
+
+
 def test_a_worker_killed_mid_batch_loses_no_line(start_web, service_settings, redis_client,
                                                  session_factory, tmp_path, worker):
     worker.terminate()  # the module's worker would take the requeued jobs: not this time
