@@ -119,6 +119,37 @@ def test_a_file_over_the_size_limit_is_a_413(start_web, service_settings):
 # --- batches ------------------------------------------------------------------------------
 
 
+def test_finalization_is_won_by_exactly_one_process(session_factory):
+    """Eight finalizers at once over a batch whose jobs all ended: one writes the files."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tasks.db import utcnow
+    from tasks.models import File
+
+    batch_id = f"batch_race{uuid.uuid4().hex}"
+    now = utcnow()
+    with session_factory.begin() as session:
+        session.add(Batch(id=batch_id, endpoint="/v1/completions", input_file_id="file-x",
+                          completion_window="24h", status="in_progress", num_total=3,
+                          num_completed=0, num_failed=0, created_at=now, in_progress_at=now))
+        session.flush()
+        for i, status in enumerate(("succeeded", "succeeded", "failed")):
+            session.add(Job(model="tiny", kind="completion", prompt="p", params={"n": 1},
+                            status=status, batch_id=batch_id, custom_id=f"r{i}",
+                            batch_index=i, output=[{"index": 0, "text": "t",
+                                                    "finish_reason": "length"}],
+                            error="boom" if status == "failed" else None, prompt_tokens=1,
+                            completion_tokens=1, created_at=now, finished_at=now))
+    with ThreadPoolExecutor(8) as pool:
+        won = list(pool.map(lambda _: finalize_if_done(session_factory, batch_id), range(8)))
+    assert won.count(True) == 1
+    with session_factory() as session:
+        batch = session.get(Batch, batch_id)
+        files = session.scalars(select(File.id).where(File.filename.like(f"{batch_id}%"))).all()
+    assert batch.status == "completed" and (batch.num_completed, batch.num_failed) == (2, 1)
+    assert sorted(files) == sorted([batch.output_file_id, batch.error_file_id])
+
+
 def test_batch_outputs_equal_direct_requests_and_a_bad_body_fails_its_line(
         client, base_url, worker, session_factory):
     prompts = ["name three colours", "count to five", "say hello"]

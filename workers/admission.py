@@ -18,7 +18,7 @@ from datetime import UTC, timedelta
 from enum import Enum
 from typing import Any, Protocol
 
-from sqlalchemy import Row, ScalarSelect, select, update
+from sqlalchemy import ColumnElement, Row, select, update
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -141,25 +141,23 @@ class JobAdmission:
             return GenerateOutcome.SKIPPED
         return self._take(job_id, row)
 
-    def run_next_batch_job(self, model: str) -> GenerateOutcome | None:
-        """Claim any queued batch line of `model` and hand it to the batcher, as `run` does
-        for a message; None when there is none (or the group is draining). The caller (the
-        batch feeder) asks only while the group has spare room."""
+    def run_next_batch_jobs(self, model: str, limit: int) -> list[GenerateOutcome]:
+        """Claim up to `limit` queued batch lines of `model` in one statement and hand them
+        to the batcher, as `run` does for a message; empty when there is none (or the
+        group is draining). The caller (the batch feeder) asks only for the spare room."""
         with self._cv:
             if self._closed:
-                return None
+                return []
             self._num_in_flight += 1
         try:
             # NOTE: SKIP LOCKED: groups claiming at once take different rows (Postgres; the
             # conditional UPDATE alone keeps a claim single elsewhere)
-            next_line = (select(Job.id).where(Job.model == model,
-                                              Job.status == JobStatus.QUEUED.value,
-                                              Job.batch_id.is_not(None))
-                         .limit(1).with_for_update(skip_locked=True).scalar_subquery())
-            row = self._claim(next_line)
-            if row is None:
-                return None
-            return self._take(str(row.id), row)
+            next_lines = (select(Job.id).where(Job.model == model,
+                                               Job.status == JobStatus.QUEUED.value,
+                                               Job.batch_id.is_not(None))
+                          .limit(max(1, limit)).with_for_update(skip_locked=True))
+            rows = self._claim_rows(Job.id.in_(next_lines))
+            return [self._take(str(row.id), row) for row in rows]
         finally:
             with self._cv:
                 self._num_in_flight -= 1
@@ -188,12 +186,16 @@ class JobAdmission:
             return GenerateOutcome.REQUEUED
         return GenerateOutcome.ADMITTED
 
-    def _claim(self, job: uuid.UUID | ScalarSelect[Any]) -> Row[Any] | None:
-        """Claim the job `job` (an id, or a subquery choosing one) if it is queued."""
+    def _claim(self, job_uuid: uuid.UUID) -> Row[Any] | None:
+        rows = self._claim_rows(Job.id == job_uuid)
+        return rows[0] if rows else None
+
+    def _claim_rows(self, which: ColumnElement[bool]) -> list[Row[Any]]:
+        """Claim the jobs `which` selects that are still queued."""
         now = utcnow()
         statement = (
             update(Job)
-            .where(Job.id == job, Job.status == JobStatus.QUEUED.value)
+            .where(which, Job.status == JobStatus.QUEUED.value)
             .values(
                 status=JobStatus.RUNNING.value,
                 worker=self.group_id,
@@ -210,7 +212,7 @@ class JobAdmission:
         # itself), and Core rather than an ORM session: a claim competes for the GIL with
         # the batcher thread, and every round trip and ORM layer is another wait for it.
         with self._claim_bind.connect() as conn:
-            return conn.execute(statement).first()
+            return list(conn.execute(statement).all())
 
     def _cancel_requested(self, job_id: str) -> bool:
         try:

@@ -3,7 +3,8 @@
 Batch lines (`jobs.batch_id`) have no `generate` messages. This thread waits until the
 group has spare room for one (`JobInbox.batch_capacity`: a quarter of the capacity stays
 free for interactive jobs), then claims any queued batch line of the model with the same
-conditional UPDATE a message's `generate` uses and hands it to the batcher. So an
+conditional UPDATE a message's `generate` uses (as many as fit, in one statement) and
+hands them to the batcher. So an
 interactive request never waits behind batch lines in the broker, and a task thread never
 blocks on a batch line; a lease reclaim just queues a line again for any group to take.
 """
@@ -23,18 +24,20 @@ logger = logging.getLogger(__name__)
 IDLE_POLL_SECONDS = 0.5  # between looks at the table while no batch line is queued
 ROOM_WAIT_SECONDS = 1.0  # one wait for spare room (the stop flag is checked between)
 ERROR_BACKOFF_SECONDS = 2.0  # after a failed claim (Postgres away)
+NO_ROOM_PAUSE_SECONDS = 0.05
+MAX_CLAIM_BATCH = 16  # lines claimed by one statement at most
 
 
 class BatchLineClaimer(Protocol):
     """`workers.admission.JobAdmission`."""
 
-    def run_next_batch_job(self, model: str) -> GenerateOutcome | None: ...
+    def run_next_batch_jobs(self, model: str, limit: int) -> list[GenerateOutcome]: ...
 
 
 class RoomWatcher(Protocol):
     """`workers.batcher.Batcher`."""
 
-    def wait_batch_room(self, timeout: float) -> bool: ...
+    def wait_batch_room(self, timeout: float) -> int: ...
 
 
 class BatchFeeder:
@@ -57,10 +60,14 @@ class BatchFeeder:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            if not self.batcher.wait_batch_room(ROOM_WAIT_SECONDS):
+            room = self.batcher.wait_batch_room(ROOM_WAIT_SECONDS)
+            if not room:
+                # NOTE: also 0 at once while the group stops admitting (drain, trip)
+                self._stop.wait(NO_ROOM_PAUSE_SECONDS)
                 continue
             try:
-                outcome = self.admission.run_next_batch_job(self.model)
+                outcomes = self.admission.run_next_batch_jobs(
+                    self.model, min(room, MAX_CLAIM_BATCH))
             except SQLAlchemyError as exc:
                 logger.warning("batch feeder of %s: claim failed (%s); retrying", self.model,
                                exc)
@@ -70,7 +77,6 @@ class BatchFeeder:
                 logger.exception("batch feeder of %s: unexpected error", self.model)
                 self._stop.wait(ERROR_BACKOFF_SECONDS)
                 continue
-            if outcome is None:
+            if not outcomes:
                 self._stop.wait(IDLE_POLL_SECONDS)
-            elif outcome is GenerateOutcome.ADMITTED:
-                self.num_claimed += 1
+            self.num_claimed += outcomes.count(GenerateOutcome.ADMITTED)

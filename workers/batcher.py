@@ -149,8 +149,9 @@ class Batcher:
         """
         return self._inbox.admit(job, timeout)
 
-    def wait_batch_room(self, timeout: float) -> bool:
-        """Whether a batch line would be admitted now, waiting up to `timeout` seconds."""
+    def wait_batch_room(self, timeout: float) -> int:
+        """How many batch lines would be admitted now, waiting up to `timeout` seconds for
+        one."""
         return self._inbox.wait_batch_room(timeout)
 
     def cancel(self, job_id: str) -> None:

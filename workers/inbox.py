@@ -85,19 +85,21 @@ class JobInbox:
             self._cv.notify_all()
         return True
 
-    def wait_batch_room(self, timeout: float) -> bool:
-        """Wait up to `timeout` seconds until a one-sample batch line would be admitted
-        without waiting; returns whether it would (admission asks before it claims, so a
-        batch line never holds a task thread while the group has no spare room)."""
+    def wait_batch_room(self, timeout: float) -> int:
+        """Wait up to `timeout` seconds for spare room: how many one-sample batch lines
+        would be admitted now without waiting (0: none, or the group stops admitting).
+        The batch feeder asks before it claims, so it claims only what fits."""
         deadline = time.monotonic() + timeout
         with self._cv:
             while self._admitting and self._num_active_samples > 0 and (
                     self._num_active_samples + 1 > self.batch_capacity):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    return False
+                    return 0
                 self._cv.wait(remaining)
-            return self._admitting
+            if not self._admitting:
+                return 0
+            return max(1, self.batch_capacity - self._num_active_samples)
 
     def cancel(self, job_id: str) -> None:
         """Record a cancel request; it also releases `job_id` if it waits in `admit`."""
