@@ -108,6 +108,32 @@ def test_files_upload_list_get_content_delete(client, base_url):
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "file"
 
 
+def test_files_and_batches_belong_to_their_key(start_web, service_settings, session_factory):
+    from tasks.auth import create_api_key
+
+    base_url = start_web(service_settings.with_overrides(auth_enabled=True))
+    _, key_a = create_api_key(session_factory, "batch-alice")
+    _, key_b = create_api_key(session_factory, "batch-bob")
+    alice = openai.OpenAI(base_url=base_url + "/v1", api_key=key_a, max_retries=0)
+    bob = openai.OpenAI(base_url=base_url + "/v1", api_key=key_b, max_retries=0)
+    upload = _upload(alice, ["{"])
+    batch = alice.batches.create(input_file_id=upload.id, endpoint="/v1/completions",
+                                 completion_window="24h")  # fails validation: cheap
+    for call in (lambda: bob.files.retrieve(upload.id), lambda: bob.files.content(upload.id),
+                 lambda: bob.files.delete(upload.id), lambda: bob.batches.retrieve(batch.id),
+                 lambda: bob.batches.cancel(batch.id)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    with pytest.raises(openai.BadRequestError):  # another key's file is not a batch input
+        bob.batches.create(input_file_id=upload.id, endpoint="/v1/completions",
+                           completion_window="24h")
+    assert upload.id not in [f.id for f in bob.files.list()]
+    assert batch.id not in [b.id for b in bob.batches.list()]
+    assert alice.batches.retrieve(batch.id).id == batch.id
+    no_key = requests.get(base_url + "/v1/batches", timeout=30)
+    assert no_key.status_code == 401 and no_key.json()["error"]["type"] == "authentication_error"
+
+
 def test_a_file_over_the_size_limit_is_a_413(start_web, service_settings):
     base_url = start_web(service_settings.with_overrides(max_file_bytes=2048))
     answer = requests.post(base_url + "/v1/files", data={"purpose": "batch"},
