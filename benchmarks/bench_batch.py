@@ -131,6 +131,32 @@ def run_busy(client: Any, args: argparse.Namespace) -> dict[str, Any]:
             "ttft": samples}
 
 
+def interactive_phases(services: Services, after: float, before: float) -> dict[str, float]:
+    """Medians (ms) of the interactive jobs created between `after` and `before` (unix s):
+    queued to claimed, claimed to first token (the worker's clock, from the rows)."""
+    from datetime import UTC, datetime
+
+    from sqlalchemy import select
+
+    from tasks.db import create_db_engine, make_sessionmaker
+    from tasks.models import Job
+
+    engine = create_db_engine(services.settings.database_url)
+    try:
+        with make_sessionmaker(engine)() as session:
+            rows = session.execute(select(Job.created_at, Job.started_at, Job.first_token_at)
+                                   .where(Job.batch_id.is_(None),
+                                          Job.created_at >= datetime.fromtimestamp(after, UTC),
+                                          Job.created_at < datetime.fromtimestamp(before, UTC))
+                                   ).all()
+    finally:
+        engine.dispose()
+    claim = [(s - c).total_seconds() for c, s, _ in rows if s is not None]
+    first = [(f - s).total_seconds() for _, s, f in rows if s is not None and f is not None]
+    return {"claim_ms_p50": 1000 * statistics.median(claim) if claim else float("nan"),
+            "first_token_ms_p50": 1000 * statistics.median(first) if first else float("nan")}
+
+
 def _pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -163,9 +189,13 @@ def main(argv: list[str] | None = None) -> int:
         client = openai.OpenAI(base_url=services.base_url + "/v1", api_key="unused",
                                max_retries=0, timeout=600)
         ttft(client, args, -1)  # warm up
+        idle_started = time.time()
         idle = [ttft(client, args, i) for i in range(args.idle_requests)]
         print(f"idle TTFT p50 {1000 * statistics.median(idle):.0f} ms", flush=True)
+        busy_started = time.time()
         busy = run_busy(client, args)
+        phases = {"idle": interactive_phases(services, idle_started, busy_started),
+                  "busy": interactive_phases(services, busy_started, time.time())}
     finally:
         services.close()
     busy_ttft = busy.pop("ttft")
@@ -173,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     figures = {"args": vars(args), "offline": offline, "busy": busy,
                "idle_ttft_ms": {f"p{q}": 1000 * _pct(idle, q / 100) for q in (50, 99)},
                "busy_ttft_ms": {f"p{q}": 1000 * _pct(busy_ttft, q / 100) for q in (50, 99)},
-               "num_busy_requests": len(busy_ttft), "cpu": _cpu_model(),
+               "num_busy_requests": len(busy_ttft), "phases": phases, "cpu": _cpu_model(),
                "cpu_count": os.cpu_count(), "load_average_1m": os.getloadavg()[0]}
     idle_ms, busy_ms = figures["idle_ttft_ms"], figures["busy_ttft_ms"]
     rows = [
@@ -185,6 +215,10 @@ def main(argv: list[str] | None = None) -> int:
         ("interactive TTFT beside the batch (p50 / p99)",
          f"{busy_ms['p50']:.0f} / {busy_ms['p99']:.0f} ms ({len(busy_ttft)} requests); "
          f"**p50 {busy_ms['p50'] / idle_ms['p50']:.2f}x idle**"),
+        ("interactive job: queued to claimed, claimed to first token (p50; idle / busy)",
+         f"{phases['idle']['claim_ms_p50']:.0f}, {phases['idle']['first_token_ms_p50']:.0f}"
+         f" / {phases['busy']['claim_ms_p50']:.0f}, "
+         f"{phases['busy']['first_token_ms_p50']:.0f} ms"),
         ("batch output tok/s (create to completed) / offline engine",
          f"{busy['tokens_per_s']:.0f} / {offline['tokens_per_s']:.0f} tok/s: "
          f"**{100 * busy['tokens_per_s'] / offline['tokens_per_s']:.0f}%** "
