@@ -110,7 +110,8 @@ def test_every_cli_command_has_help():
     import sys
 
     for command in ([], ["web"], ["beat"], ["db", "upgrade"], ["keys", "create"],
-                    ["keys", "list"], ["make-model"], ["submit"]):
+                    ["keys", "list"], ["make-model"], ["submit"], ["batch"],
+                    ["batch", "submit"], ["batch", "status"], ["batch", "results"]):
         result = subprocess.run([sys.executable, "-m", "llmq.cli", *command, "--help"],
                                 capture_output=True, text=True, check=False, timeout=60)
         assert result.returncode == 0, (command, result.stderr)

@@ -5,6 +5,10 @@ redelivered or duplicated message, or a job cancelled while queued, is skipped. 
 sets `attempts = attempts + 1` (attempts counts claims; lease reclaim does not add to it),
 the worker (device group), `started_at` and a first lease. Generation itself runs in the
 batcher thread: this returns as soon as the batcher has taken the job.
+
+Batch lines have no message: `run_next_batch_jobs` claims queued ones straight from the
+table for the group's batch feeder (workers/batch_feeder.py), with the same claim and
+hand-over.
 """
 
 from __future__ import annotations
