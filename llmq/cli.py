@@ -13,6 +13,7 @@ import os
 import sys
 from typing import Any
 
+from llmq.batch import add_batch_parser
 from llmq.bench.args import add_cli_args as add_bench_args
 from llmq.bench.main import cmd_bench
 from llmq.commands import (
@@ -211,6 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--api-key", default=os.environ.get("LLMQ_API_KEY"),
                         help="API key when the server requires one (default: $LLMQ_API_KEY)")
     submit.set_defaults(handler=cmd_submit)
+    add_batch_parser(sub, command, os.environ.get("LLMQ_URL", DEFAULT_URL),
+                     os.environ.get("LLMQ_API_KEY"))
 
     # listed for `llmq --help`; `llmq bench ...` is parsed by build_bench_parser()
     sub.add_parser("bench", help="benchmark a serving endpoint (vLLM's `bench serve` flags, "

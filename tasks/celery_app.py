@@ -16,6 +16,7 @@ from celery import Celery
 from kombu.transport import redis as kombu_redis
 
 from tasks.protocol import (
+    BATCH_SWEEP_TASK,
     EXPIRE_STREAMS_TASK,
     GENERATE_TASK,
     RECLAIM_TASK,
@@ -29,6 +30,7 @@ logger = logging.getLogger(__name__)
 # how long a message fetched by a worker that died before acking waits to come back.
 VISIBILITY_TIMEOUT_SECONDS = 3600
 EXPIRE_STREAMS_INTERVAL_SECONDS = 60.0
+BATCH_SWEEP_INTERVAL_SECONDS = 5.0  # finalize batches nobody polls; expire overdue ones
 # The web must answer 503 quickly when the broker is down, not retry for minutes.
 PUBLISH_RETRY_POLICY = {"max_retries": 2, "interval_start": 0.0, "interval_step": 0.2,
                         "interval_max": 0.5}
@@ -111,6 +113,7 @@ def create_celery(settings: Settings, *, beat: bool = False) -> Celery:
             RECLAIM_TASK: {"queue": maintenance_queue(settings)},
             RESEND_QUEUED_TASK: {"queue": maintenance_queue(settings)},
             EXPIRE_STREAMS_TASK: {"queue": maintenance_queue(settings)},
+            BATCH_SWEEP_TASK: {"queue": maintenance_queue(settings)},
         },
         worker_hijack_root_logger=False,
         timezone="UTC",
@@ -126,7 +129,8 @@ def create_celery(settings: Settings, *, beat: bool = False) -> Celery:
 
 def beat_schedule(settings: Settings) -> dict[str, dict[str, object]]:
     """Reclaim about as often as workers renew leases, look for stranded queued jobs a few
-    times per `queued_resend_seconds`, expire streams every minute."""
+    times per `queued_resend_seconds`, expire streams every minute, finalize and expire
+    batches every few seconds."""
     return {
         "reclaim-expired-leases": {
             "task": RECLAIM_TASK,
@@ -142,6 +146,11 @@ def beat_schedule(settings: Settings) -> dict[str, dict[str, object]]:
             "task": EXPIRE_STREAMS_TASK,
             "schedule": EXPIRE_STREAMS_INTERVAL_SECONDS,
             "options": {"queue": maintenance_queue(settings), "expires": 300},
+        },
+        "sweep-batches": {
+            "task": BATCH_SWEEP_TASK,
+            "schedule": BATCH_SWEEP_INTERVAL_SECONDS,
+            "options": {"queue": maintenance_queue(settings), "expires": 60},
         },
     }
 

@@ -12,6 +12,10 @@ Redis restarted without persistence, a worker killed holding prefetched messages
 sit in the broker's unacked set until its visibility timeout), a send that failed while
 Redis was down. The resend pass gives such a row a new message; the worker's conditional
 claim makes a duplicate harmless.
+
+Batch lines (`jobs.batch_id`) have no messages: each device group's batch feeder
+(workers/batch_feeder.py) claims them from the table when it has spare room. So reclaim
+only queues them again, and neither the resend pass nor the queue timeout touches them.
 """
 
 from __future__ import annotations
@@ -26,11 +30,13 @@ from redis import Redis
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from tasks.batches import sweep_batches
 from tasks.broker_queue import pending_job_ids
 from tasks.celery_app import send_generate
 from tasks.db import create_db_engine, make_sessionmaker, update_count, utcnow
 from tasks.models import Job, JobErrorKind, JobStatus
 from tasks.protocol import (
+    BATCH_SWEEP_TASK,
     EXPIRE_STREAMS_TASK,
     RECLAIM_TASK,
     RESEND_QUEUED_TASK,
@@ -61,16 +67,16 @@ def reclaim_expired_leases(
     row is written before the event and the new `generate` message go out.
     """
     now = utcnow()
-    requeued: list[tuple[str, str, int]] = []  # (job id, model, next attempt)
+    requeued: list[tuple[str, str, int, bool]] = []  # (job id, model, next attempt, batch)
     failed: list[tuple[str, str]] = []  # (job id, error)
     with session_factory.begin() as session:
         expired = session.execute(
-            select(Job.id, Job.model, Job.attempts, Job.worker)
+            select(Job.id, Job.model, Job.attempts, Job.worker, Job.batch_id)
             .where(Job.status == JobStatus.RUNNING.value, Job.lease_expires_at < now)
             .order_by(Job.lease_expires_at)
             .limit(RECLAIM_BATCH)
         ).all()
-        for job_uuid, model, attempts, worker in expired:
+        for job_uuid, model, attempts, worker, batch_id in expired:
             still_expired = update(Job).where(
                 Job.id == job_uuid,
                 Job.status == JobStatus.RUNNING.value,
@@ -92,18 +98,20 @@ def reclaim_expired_leases(
                 "output_text": None, "completion_tokens": None, "first_token_at": None,
             }
             if update_count(session, still_expired.values(**values)):
-                requeued.append((str(job_uuid), model, attempts + 1))
+                requeued.append((str(job_uuid), model, attempts + 1, batch_id is not None))
                 logger.warning("job %s: lease of %s expired; requeued for attempt %d",
                                job_uuid, worker, attempts + 1)
     events = [(job_id, JobEvent(EventType.RESTART, attempt=attempt))
-              for job_id, _model, attempt in requeued]
+              for job_id, _model, attempt, _batch in requeued]
     usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0, "cached_tokens": 0}
     events += [(job_id, JobEvent(EventType.ERROR, finish_reason="error", error=error,
                                  usage=usage))
                for job_id, error in failed]
     if events:
         EventPublisher(redis, settings).publish(events)
-    for job_id, model, _attempt in requeued:
+    for job_id, model, _attempt, batch in requeued:
+        if batch:
+            continue  # a batch line is queued again: a group's feeder claims it
         try:
             send_generate(celery_app, settings, job_id, model)
         except Exception:
@@ -132,7 +140,8 @@ def fail_overdue_queued_jobs(settings: Settings, session_factory: sessionmaker[S
     with session_factory.begin() as session:
         candidates = dict(session.execute(
             select(Job.id, Job.prompt_tokens)
-            .where(Job.status == JobStatus.QUEUED.value, Job.created_at < cutoff)
+            .where(Job.status == JobStatus.QUEUED.value, Job.created_at < cutoff,
+                   Job.batch_id.is_(None))  # a batch line waits for its window instead
             .order_by(Job.created_at)
             .limit(RECLAIM_BATCH)
         ).all())
@@ -179,7 +188,8 @@ def resend_stranded_jobs(
     with session_factory() as session:
         rows = session.execute(
             select(Job.id, Job.model)
-            .where(Job.status == JobStatus.QUEUED.value, Job.created_at < cutoff)
+            .where(Job.status == JobStatus.QUEUED.value, Job.created_at < cutoff,
+                   Job.batch_id.is_(None))  # batch lines have no messages (see below)
             .order_by(Job.created_at)
             .limit(RECLAIM_BATCH)
         ).all()
@@ -287,8 +297,8 @@ class _Resources:
 
 
 def register_maintenance_tasks(app: Celery, settings: Settings) -> None:
-    """Register `RECLAIM_TASK`, `RESEND_QUEUED_TASK` and `EXPIRE_STREAMS_TASK` on `app`
-    (bodies above)."""
+    """Register `RECLAIM_TASK`, `RESEND_QUEUED_TASK`, `EXPIRE_STREAMS_TASK` and
+    `BATCH_SWEEP_TASK` on `app` (bodies above and in `tasks.batches`)."""
     resources = _Resources(settings)
 
     @app.task(name=RECLAIM_TASK, ignore_result=True)
@@ -303,6 +313,10 @@ def register_maintenance_tasks(app: Celery, settings: Settings) -> None:
     def resend_task() -> int:
         return len(resend_stranded_jobs(settings, resources.session_factory, resources.redis,
                                         app))
+
+    @app.task(name=BATCH_SWEEP_TASK, ignore_result=True)
+    def sweep_batches_task() -> int:
+        return sweep_batches(resources.session_factory, resources.redis, settings)
 
     @app.task(name=EXPIRE_STREAMS_TASK, ignore_result=True)
     def expire_streams_task() -> int:

@@ -17,6 +17,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Text,
@@ -72,6 +73,87 @@ class ApiKey(Base):
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
 
+class BatchStatus(str, Enum):
+    """OpenAI's batch statuses. `finalizing` also marks a batch whose window passed while
+    its unfinished lines are being cancelled (it ends `expired`)."""
+
+    VALIDATING = "validating"
+    FAILED = "failed"
+    IN_PROGRESS = "in_progress"
+    FINALIZING = "finalizing"
+    COMPLETED = "completed"
+    EXPIRED = "expired"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (BatchStatus.FAILED, BatchStatus.COMPLETED, BatchStatus.EXPIRED,
+                        BatchStatus.CANCELLED)
+
+
+class File(Base):
+    """An uploaded or generated file (OpenAI's Files API); its bytes are `FileChunk`s."""
+
+    __tablename__ = "files"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # file-<hex>
+    api_key_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("api_keys.id"))
+    purpose: Mapped[str] = mapped_column(String(32))  # batch, batch_output
+    filename: Mapped[str] = mapped_column(String(512))
+    bytes: Mapped[int] = mapped_column(Integer)
+    num_lines: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+    __table_args__ = (Index("ix_files_key_created", "api_key_id", "created_at"),)
+
+
+class FileChunk(Base):
+    """One piece of a file's bytes, in order (`index` from 0)."""
+
+    __tablename__ = "file_chunks"
+
+    file_id: Mapped[str] = mapped_column(ForeignKey("files.id", ondelete="CASCADE"),
+                                         primary_key=True)
+    index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    data: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class Batch(Base):
+    """An OpenAI batch: one job per line of its input file (`Job.batch_id`)."""
+
+    __tablename__ = "batches"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # batch_<hex>
+    api_key_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("api_keys.id"))
+    endpoint: Mapped[str] = mapped_column(String(64))
+    input_file_id: Mapped[str] = mapped_column(String(64))
+    completion_window: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(16))  # BatchStatus
+    # NOTE: `metadata` is taken by the declarative base; the column keeps OpenAI's name
+    metadata_: Mapped[dict[str, str] | None] = mapped_column("metadata", JSON)
+    errors: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)  # validation errors
+    output_file_id: Mapped[str | None] = mapped_column(String(64))
+    error_file_id: Mapped[str | None] = mapped_column(String(64))
+    num_total: Mapped[int] = mapped_column(Integer, default=0)
+    num_completed: Mapped[int] = mapped_column(Integer, default=0)
+    num_failed: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    in_progress_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    finalizing_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    completed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    failed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    expired_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    cancelling_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    cancelled_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    __table_args__ = (
+        Index("ix_batches_key_created", "api_key_id", "created_at"),
+        Index("ix_batches_status", "status"),
+    )
+
+
 class Job(Base):
     __tablename__ = "jobs"
 
@@ -104,12 +186,17 @@ class Job(Base):
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     first_token_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # a line of a batch: the batch, the line's custom_id and its index in the input file
+    batch_id: Mapped[str | None] = mapped_column(ForeignKey("batches.id"))
+    custom_id: Mapped[str | None] = mapped_column(String(512))
+    batch_index: Mapped[int | None] = mapped_column(Integer)
 
     __table_args__ = (
         Index("ix_jobs_status_lease", "status", "lease_expires_at"),
         Index("ix_jobs_key_created", "api_key_id", "created_at"),
         Index("ix_jobs_created", "created_at"),
         Index("ix_jobs_key_status", "api_key_id", "status"),
+        Index("ix_jobs_batch", "batch_id", "batch_index"),
         # the queue limit counts a model's queued jobs
         Index("ix_jobs_queued_model", "model", postgresql_where=text("status = 'queued'"),
               sqlite_where=text("status = 'queued'")),

@@ -18,6 +18,7 @@ GENERATE_TASK = "llmq.generate"  # body in workers/, sent by name from the web
 RECLAIM_TASK = "llmq.reclaim_expired_leases"
 EXPIRE_STREAMS_TASK = "llmq.expire_streams"
 RESEND_QUEUED_TASK = "llmq.resend_stranded_jobs"
+BATCH_SWEEP_TASK = "llmq.sweep_batches"
 
 
 class EventType(str, Enum):

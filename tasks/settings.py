@@ -88,6 +88,11 @@ class Settings(BaseSettings):
     sse_heartbeat_seconds: float = Field(15.0, gt=0)
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     max_n: int = Field(8, ge=1, le=MAX_N_LIMIT)
+    # the Batch API: an uploaded file's size (OpenAI's 200 MB), a batch's lines (OpenAI's
+    # 50,000), and how long a batch may run: OpenAI's only window is "24h"; tests shorten it
+    max_file_bytes: int = Field(200 * 1024 * 1024, ge=1024)
+    max_batch_lines: int = Field(50_000, ge=1)
+    batch_completion_window_seconds: float = Field(24 * 3600.0, gt=0)
     drain_grace_seconds: float = Field(30.0, ge=0)
     # circuit breaker of a device group: after this many consecutive failed steps, or a
     # step running longer than step_timeout_seconds (watchdog), the group stops claiming,

@@ -11,6 +11,7 @@ import sqlalchemy
 from tasks.celery_app import create_celery, maintenance_queue, send_generate
 from tasks.db import create_db_engine, upgrade_database, utcnow
 from tasks.protocol import (
+    BATCH_SWEEP_TASK,
     EXPIRE_STREAMS_TASK,
     GENERATE_TASK,
     RECLAIM_TASK,
@@ -60,7 +61,8 @@ def test_celery_app_config_and_beat_schedule():
     assert not app.conf.beat_schedule
     schedule = create_celery(settings, beat=True).conf.beat_schedule
     tasks = {entry["task"]: entry["schedule"] for entry in schedule.values()}
-    assert tasks == {RECLAIM_TASK: 3.0, RESEND_QUEUED_TASK: 15.0, EXPIRE_STREAMS_TASK: 60.0}
+    assert tasks == {RECLAIM_TASK: 3.0, RESEND_QUEUED_TASK: 15.0, EXPIRE_STREAMS_TASK: 60.0,
+                     BATCH_SWEEP_TASK: 5.0}
     assert app.conf.task_routes[RECLAIM_TASK]["queue"] == maintenance_queue(settings)
 
 
@@ -108,7 +110,8 @@ def test_every_cli_command_has_help():
     import sys
 
     for command in ([], ["web"], ["beat"], ["db", "upgrade"], ["keys", "create"],
-                    ["keys", "list"], ["make-model"], ["submit"]):
+                    ["keys", "list"], ["make-model"], ["submit"], ["batch"],
+                    ["batch", "submit"], ["batch", "status"], ["batch", "results"]):
         result = subprocess.run([sys.executable, "-m", "llmq.cli", *command, "--help"],
                                 capture_output=True, text=True, check=False, timeout=60)
         assert result.returncode == 0, (command, result.stderr)

@@ -14,9 +14,11 @@ logger = logging.getLogger(__name__)
 def create_app(settings: Settings | None = None) -> Flask:
     """The API app for `settings` (default: `Settings.from_env()`). Connects to nothing yet."""
     from webapp import (
+        batches,
         dashboard,
         errors,
         events,
+        files,
         jobs,
         meta,
         metrics,
@@ -41,6 +43,8 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.register_blueprint(openai_api.bp)
     app.register_blueprint(tokens.bp)
     app.register_blueprint(responses_bp)
+    app.register_blueprint(files.bp)
+    app.register_blueprint(batches.bp)
     app.register_blueprint(metrics.bp)
     app.register_blueprint(dashboard.bp)
     app.register_blueprint(openapi.bp)

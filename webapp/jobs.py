@@ -134,6 +134,8 @@ def list_jobs() -> Response:
         statement = statement.where(Job.status.in_(statuses))
     if query.model:
         statement = statement.where(Job.model == query.model)
+    if query.batch_id:
+        statement = statement.where(Job.batch_id == query.batch_id)
     if query.created_after is not None:
         statement = statement.where(Job.created_at >= query.created_after)
     if query.created_before is not None:
@@ -293,7 +295,9 @@ def _check_queue_room(svc: Services, model: str) -> None:
     limit = svc.settings.max_queued_jobs
     if limit <= 0:
         return
-    queued = (select(Job.id).where(Job.status == JobStatus.QUEUED.value, Job.model == model)
+    # NOTE: batch lines do not count: a big batch must never turn interactive requests away
+    queued = (select(Job.id).where(Job.status == JobStatus.QUEUED.value, Job.model == model,
+                                   Job.batch_id.is_(None))
               .limit(limit + 1).subquery())
     with svc.session_factory() as session:
         count = session.scalar(select(func.count()).select_from(queued)) or 0

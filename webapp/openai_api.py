@@ -27,6 +27,7 @@ import sqlalchemy.exc
 from flask import Blueprint, Response
 
 from tasks.models import Job, JobKind, JobStatus
+from tasks.openai_body import ChatMessage, completion_object, response_id, usage_dict
 from tasks.protocol import EventType, JobEvent
 from tasks.schema import SchemaError
 from tasks.streams.reader import Park
@@ -48,7 +49,6 @@ from webapp.openai_format import (
     chat_logprobs,
     completion_logprobs,
     parse_openai_request,
-    usage_dict,
 )
 from webapp.services import Services, services
 from webapp.streaming import event_stream_response
@@ -138,7 +138,7 @@ def _serve(kind: JobKind) -> Response:
     if req.echo:
         echo_text = prompt_text if prompt_text is not None else tokenizer.decode(prompt_token_ids)
     answer = Answer(
-        kind=kind, id=("cmpl-" if kind is JobKind.COMPLETION else "chatcmpl-") + job.id.hex,
+        kind=kind, id=response_id(kind, job.id.hex),
         created=int(job.created_at.timestamp()), model=job.model, n=req.job.params.n,
         echo_text=echo_text, num_logprobs=req.num_logprobs, include_usage=req.include_usage,
         decode=lambda token_id: tokenizer.decode([token_id]), tools=req.tools,
@@ -223,33 +223,28 @@ def _wait_and_answer(svc: Services, job: Job, answer: Answer,
     row = reload_job(svc, job_id) or job
     if row.status == JobStatus.FAILED.value:
         raise failed_job_error(job_id, row.error, row.error_kind)
-    outputs = {int(o.get("index", 0)): o for o in (row.output or [])}
-    choices = []
-    for i in range(answer.n):
-        output = outputs.get(i, {})
-        text = output.get("text", "")
-        finish_reason = output.get("finish_reason") or row.finish_reason
-        prefix = answer.echo_text or ""
-        choice: dict[str, Any] = {"index": i}
-        if answer.kind is JobKind.COMPLETION:
-            choice["text"] = prefix + text
-        elif answer.tools is not None:
-            content, calls = parse_output(text, answer.tools)
-            choice["message"] = {"role": "assistant", "content": content}
-            if calls:
-                choice["message"]["tool_calls"] = [call.to_openai() for call in calls]
-            finish_reason = tool_finish_reason(finish_reason, len(calls))
-        else:
-            choice["message"] = {"role": "assistant", "content": text}
-        choice["logprobs"] = answer.logprobs(logprobs[i], len(prefix))
-        choice["finish_reason"] = finish_reason
-        choices.append(choice)
     usage = terminal.usage if terminal is not None and terminal.usage else {
         "prompt_tokens": row.prompt_tokens or 0, "completion_tokens": row.completion_tokens or 0,
         "cached_tokens": row.cached_tokens or 0}
-    return {"id": answer.id, "object": answer.object, "created": answer.created,
-            "model": answer.model, "choices": choices, "usage": usage_dict(usage),
-            "system_fingerprint": None}
+    prefix = answer.echo_text or ""
+    return completion_object(
+        kind=answer.kind, id=answer.id, created=answer.created, model=answer.model, n=answer.n,
+        output=row.output, finish_reason=row.finish_reason, usage=usage,
+        echo_text=answer.echo_text,
+        choice_logprobs=[answer.logprobs(logprobs[i], len(prefix)) for i in range(answer.n)],
+        chat_message=None if answer.tools is None else _tool_message(answer.tools))
+
+
+def _tool_message(plan: ToolPlan) -> ChatMessage:
+    """How a chat sample's text becomes its message when the request had tools: the calls
+    read from the text (`tool_calls`, finish_reason `tool_calls`) and what text is left."""
+    def message(text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+        content, calls = parse_output(text, plan)
+        shaped: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            shaped["tool_calls"] = [call.to_openai() for call in calls]
+        return shaped, tool_finish_reason(finish_reason, len(calls))
+    return message
 
 
 # --- streaming -----------------------------------------------------------------------------

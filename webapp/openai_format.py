@@ -263,15 +263,6 @@ class ChoiceLogprobs:
             self.top.append([(int(t), float(lp)) for t, lp in item.get("top", [])])
 
 
-def usage_dict(usage: dict[str, int] | None) -> dict[str, Any]:
-    usage = usage or {}
-    prompt = int(usage.get("prompt_tokens", 0))
-    completion = int(usage.get("completion_tokens", 0))
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": int(usage.get("cached_tokens", 0))}}
-
-
 def completion_logprobs(lp: ChoiceLogprobs, decode: Any, text_offset: int) -> dict[str, Any]:
     """OpenAI completions logprobs: tokens, token_logprobs, top_logprobs, text_offset.
 

@@ -19,7 +19,9 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from tasks.api import responses as responses_api
+from tasks.api.batches import Batch, BatchCreateRequest, BatchList, BatchListQuery
 from tasks.api.errors import ErrorResponse
+from tasks.api.files import FileDeleted, FileList, FileListQuery, FileObject, FileUpload
 from tasks.api.jobs import Job, JobCreateRequest, JobList, JobListQuery
 from tasks.api.openai import (
     ChatCompletion,
@@ -45,6 +47,7 @@ bp = Blueprint("openapi", __name__)
 
 SSE = "text/event-stream"
 JSON = "application/json"
+MULTIPART = "multipart/form-data"
 _REF = "#/components/schemas/{model}"
 
 
@@ -67,6 +70,7 @@ class Operation:
     # status -> {media type: model, or None for free text}
     responses: dict[int, dict[str, type[BaseModel] | None]]
     body: type[BaseModel] | None = None
+    body_media: str = JSON  # the request body's media type
     query: type[BaseModel] | None = None
     params: tuple[Param, ...] = ()
 
@@ -88,6 +92,8 @@ REQUEST_ID = Param(REQUEST_ID_HEADER, "header", f"1 to {MAX_REQUEST_ID_CHARS} pr
                    schema={"type": "string", "minLength": 1,
                            "maxLength": MAX_REQUEST_ID_CHARS,
                            "pattern": "^[!-~]([ -~]*[!-~])?$"})
+FILE_ID = Param("file_id", "path", "the file's id (file-...)", required=True)
+BATCH_ID = Param("batch_id", "path", "the batch's id (batch_...)", required=True)
 
 OPERATIONS: tuple[Operation, ...] = (
     Operation("post", "/v1/jobs", "createJob", "Submit a job (202); a repeated "
@@ -156,6 +162,34 @@ OPERATIONS: tuple[Operation, ...] = (
               body=DetokenizeRequest),
     Operation("get", "/version", "version", "The llmq package's version", "service",
               {200: {JSON: Version}}),
+    Operation("post", "/v1/files", "createFile", "Upload a file of batch requests "
+              "(JSONL, at most LLMQ_MAX_FILE_BYTES)", "files",
+              {200: {JSON: FileObject}, **_errors(400, 401, 413, 503)},
+              body=FileUpload, body_media=MULTIPART),
+    Operation("get", "/v1/files", "listFiles", "The caller's files; page with `after`",
+              "files", {200: {JSON: FileList}, **_errors(400, 401, 503)}, query=FileListQuery),
+    Operation("get", "/v1/files/{file_id}", "retrieveFile", "A file's description", "files",
+              {200: {JSON: FileObject}, **_errors(401, 404, 503)}, params=(FILE_ID,)),
+    Operation("get", "/v1/files/{file_id}/content", "downloadFile", "A file's bytes",
+              "files", {200: {"application/octet-stream": None}, **_errors(401, 404, 503)},
+              params=(FILE_ID,)),
+    Operation("delete", "/v1/files/{file_id}", "deleteFile", "Delete a file (409 while an "
+              "unfinished batch reads it)", "files",
+              {200: {JSON: FileDeleted}, **_errors(401, 404, 409, 503)}, params=(FILE_ID,)),
+    Operation("post", "/v1/batches", "createBatch", "Run every request of an uploaded file "
+              "as a job, after interactive traffic; a file with invalid lines gives a "
+              "`failed` batch (errors.data has their line numbers)", "batches",
+              {200: {JSON: Batch}, **_errors(400, 401, 413, 503)}, body=BatchCreateRequest),
+    Operation("get", "/v1/batches", "listBatches", "The caller's batches, newest first; page "
+              "with `after`", "batches", {200: {JSON: BatchList}, **_errors(400, 401, 503)},
+              query=BatchListQuery),
+    Operation("get", "/v1/batches/{batch_id}", "retrieveBatch", "A batch: status, request "
+              "counts, output and error files", "batches",
+              {200: {JSON: Batch}, **_errors(401, 404, 503)}, params=(BATCH_ID,)),
+    Operation("post", "/v1/batches/{batch_id}/cancel", "cancelBatch", "Cancel: `cancelling`, "
+              "then `cancelled` with the finished requests in the output file; 409 when it "
+              "already ended otherwise", "batches",
+              {200: {JSON: Batch}, **_errors(401, 404, 409, 503)}, params=(BATCH_ID,)),
     Operation("get", "/health", "health", "Liveness", "service", {200: {JSON: Health}}),
     Operation("get", "/ready", "ready", "Readiness: database, Redis and a live worker per "
               "model", "service", {200: {JSON: Readiness}, 503: {JSON: Readiness}}),
@@ -189,7 +223,7 @@ def build_openapi(version: str | None = None) -> dict[str, Any]:
                  "and OpenAI's completions and chat completions over the same jobs. Errors "
                  "are OpenAI's shape: {\"error\": {type, message, param, code}}."},
         "tags": [{"name": "jobs"}, {"name": "openai"}, {"name": "responses"},
-                 {"name": "vllm"},
+                 {"name": "files"}, {"name": "batches"}, {"name": "vllm"},
                  {"name": "service"}],
         "paths": paths,
         "components": {
@@ -218,7 +252,7 @@ def _operation(op: Operation, refs: dict[Any, dict[str, Any]]) -> dict[str, Any]
         body["parameters"] = parameters
     if op.body is not None:
         body["requestBody"] = {"required": True, "content": {
-            JSON: {"schema": refs[(op.body, "validation")]}}}
+            op.body_media: {"schema": refs[(op.body, "validation")]}}}
     responses: dict[str, Any] = {}
     # NOTE: a malformed X-Request-Id is a 400 on any operation
     for status, media in sorted({**_errors(400), **op.responses}.items()):
@@ -244,10 +278,11 @@ def _param(param: Param) -> dict[str, Any]:
 _DESCRIPTIONS = {
     200: "OK", 202: "accepted: the job is queued", 400: "the request is invalid (param "
     "names the field)", 401: "missing or unknown API key", 404: "no such job, model or "
-    "route", 409: "the job already ended", 413: "body too large", 422: "Idempotency-Key "
-    "reused with a different request", 429: "the model's queue is full "
-    "(LLMQ_MAX_QUEUED_JOBS)", 500: "the job failed on the server", 503: "the database or "
-    "Redis is unreachable, or not ready", 504: "the job did not finish within "
+    "route", 409: "the job or batch already ended, or the file is in use",
+    413: "body too large", 422: "Idempotency-Key reused with a different request",
+    429: "the model's queue is full (LLMQ_MAX_QUEUED_JOBS)",
+    500: "the job failed on the server",
+    503: "the database or Redis is unreachable, or not ready", 504: "the job did not finish within "
     "LLMQ_REQUEST_TIMEOUT_SECONDS (it was cancelled)",
 }
 

@@ -51,6 +51,8 @@ def job_to_dict(job: Job, live_output: dict[int, str] | None = None) -> dict[str
         "timings": _timings(job),
         "created_at": _iso(job.created_at),
         "links": job_links(job_id),
+        "batch_id": job.batch_id,
+        "custom_id": job.custom_id,
     }
 
 

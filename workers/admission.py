@@ -5,6 +5,10 @@ redelivered or duplicated message, or a job cancelled while queued, is skipped. 
 sets `attempts = attempts + 1` (attempts counts claims; lease reclaim does not add to it),
 the worker (device group), `started_at` and a first lease. Generation itself runs in the
 batcher thread: this returns as soon as the batcher has taken the job.
+
+Batch lines have no message: `run_next_batch_jobs` claims queued ones straight from the
+table for the group's batch feeder (workers/batch_feeder.py), with the same claim and
+hand-over.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from datetime import UTC, timedelta
 from enum import Enum
 from typing import Any, Protocol
 
-from sqlalchemy import Row, update
+from sqlalchemy import ColumnElement, Row, select, update
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -139,6 +143,32 @@ class JobAdmission:
         if row is None:
             logger.info("job %s is not queued any more; skipped", job_id)
             return GenerateOutcome.SKIPPED
+        return self._take(job_id, row)
+
+    def run_next_batch_jobs(self, model: str, limit: int) -> list[GenerateOutcome]:
+        """Claim up to `limit` queued batch lines of `model` in one statement and hand them
+        to the batcher, as `run` does for a message; empty when there is none (or the
+        group is draining). The caller (the batch feeder) asks only for the spare room."""
+        with self._cv:
+            if self._closed:
+                return []
+            self._num_in_flight += 1
+        try:
+            # NOTE: SKIP LOCKED: groups claiming at once take different rows (Postgres; the
+            # conditional UPDATE alone keeps a claim single elsewhere)
+            next_lines = (select(Job.id).where(Job.model == model,
+                                               Job.status == JobStatus.QUEUED.value,
+                                               Job.batch_id.is_not(None))
+                          .limit(max(1, limit)).with_for_update(skip_locked=True))
+            rows = self._claim_rows(Job.id.in_(next_lines))
+            return [self._take(str(row.id), row) for row in rows]
+        finally:
+            with self._cv:
+                self._num_in_flight -= 1
+                self._cv.notify_all()
+
+    def _take(self, job_id: str, row: Row[Any]) -> GenerateOutcome:
+        """The claimed row `job_id` to the batcher (or failed, cancelled, given back)."""
         attempt = int(row.attempts)
         self.writer.own(job_id, attempt)
         logger.info("job %s claimed by %s (attempt %d)", job_id, self.group_id, attempt)
@@ -162,10 +192,15 @@ class JobAdmission:
         return GenerateOutcome.ADMITTED
 
     def _claim(self, job_uuid: uuid.UUID) -> Row[Any] | None:
+        rows = self._claim_rows(Job.id == job_uuid)
+        return rows[0] if rows else None
+
+    def _claim_rows(self, which: ColumnElement[bool]) -> list[Row[Any]]:
+        """Claim the jobs `which` selects that are still queued."""
         now = utcnow()
         statement = (
             update(Job)
-            .where(Job.id == job_uuid, Job.status == JobStatus.QUEUED.value)
+            .where(which, Job.status == JobStatus.QUEUED.value)
             .values(
                 status=JobStatus.RUNNING.value,
                 worker=self.group_id,
@@ -175,14 +210,14 @@ class JobAdmission:
                 finish_reason=None,
                 error=None,
             )
-            .returning(Job.prompt, Job.prompt_token_ids, Job.params, Job.priority,
+            .returning(Job.id, Job.prompt, Job.prompt_token_ids, Job.params, Job.priority,
                        Job.attempts, Job.created_at)
         )
         # NOTE: one statement, so no transaction around it (one round trip, atomic by
         # itself), and Core rather than an ORM session: a claim competes for the GIL with
         # the batcher thread, and every round trip and ORM layer is another wait for it.
         with self._claim_bind.connect() as conn:
-            return conn.execute(statement).first()
+            return list(conn.execute(statement).all())
 
     def _cancel_requested(self, job_id: str) -> bool:
         try:

@@ -153,6 +153,11 @@ class Batcher:
         """
         return self._inbox.admit(job, timeout)
 
+    def wait_batch_room(self, timeout: float) -> int:
+        """How many batch lines would be admitted now, waiting up to `timeout` seconds for
+        one."""
+        return self._inbox.wait_batch_room(timeout)
+
     def cancel(self, job_id: str) -> None:
         """Ask to cancel `job_id` before the next step (ignored if it is not ours)."""
         self._inbox.cancel(job_id)

@@ -7,6 +7,11 @@ not finished yet. `admit` blocks while the group is full, and a blocked task thr
 its worker from fetching more messages, so other device groups take them
 (back-pressure without a router).
 
+Batch lines (`tasks.api.batches.BATCH_PRIORITY`) fill spare room only: they wait while
+more than `batch_capacity` samples are admitted, so a quarter of the capacity stays free
+for interactive jobs, which never wait behind them here (and the scheduler orders them
+first, and preempts batch sequences first when KV blocks run out).
+
 One condition variable guards everything here; every change that can unblock a waiter
 notifies it.
 """
@@ -17,8 +22,11 @@ import threading
 import time
 from dataclasses import dataclass
 
+from tasks.api.batches import is_batch_priority
 from workers.admitted import AdmittedJob
 from workers.cancel_requests import CancelRequests
+
+BATCH_RESERVE_DIVISOR = 4  # 1/4 of a group's capacity is kept for interactive jobs
 
 
 @dataclass(slots=True)
@@ -37,6 +45,8 @@ class JobInbox:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity  # samples admitted at once (= the engine's max_num_seqs)
+        # what batch lines may fill: the rest is kept for interactive jobs
+        self.batch_capacity = capacity - capacity // BATCH_RESERVE_DIVISOR
         self._cv = threading.Condition()
         self._jobs: list[AdmittedJob] = []
         self._cancels = CancelRequests()
@@ -55,12 +65,13 @@ class JobInbox:
         `timeout` passes; the caller then gives the job back to the queue.
         """
         need = job.num_samples
+        limit = self.batch_capacity if is_batch_priority(job.priority) else self.capacity
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
             # NOTE: a job bigger than the whole capacity still runs, alone; a job cancelled
             # while it waits goes through at once (the loop ends it without running it).
             while self._admitting and self._num_active_samples > 0 and (
-                self._num_active_samples + need > self.capacity
+                self._num_active_samples + need > limit
             ) and job.job_id not in self._cancels:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
@@ -73,6 +84,22 @@ class JobInbox:
             self._jobs.append(job)
             self._cv.notify_all()
         return True
+
+    def wait_batch_room(self, timeout: float) -> int:
+        """Wait up to `timeout` seconds for spare room: how many one-sample batch lines
+        would be admitted now without waiting (0: none, or the group stops admitting).
+        The batch feeder asks before it claims, so it claims only what fits."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while self._admitting and self._num_active_samples > 0 and (
+                    self._num_active_samples + 1 > self.batch_capacity):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return 0
+                self._cv.wait(remaining)
+            if not self._admitting:
+                return 0
+            return max(1, self.batch_capacity - self._num_active_samples)
 
     def cancel(self, job_id: str) -> None:
         """Record a cancel request; it also releases `job_id` if it waits in `admit`."""

@@ -71,6 +71,7 @@ class GroupRuntime:
         from tasks.redis_client import make_redis
         from tasks.streams.publish import EventPublisher
         from workers.admission import JobAdmission
+        from workers.batch_feeder import BatchFeeder
         from workers.batcher import Batcher
         from workers.cancel_listener import CancelListener
         from workers.db_writer import DbWriter
@@ -122,6 +123,7 @@ class GroupRuntime:
         self.admission = JobAdmission(s, session_factory, self.redis, self.batcher,
                                       self.writer, self.group_id, self.send_generate)
         self.cancels = CancelListener(self.redis, s, self.batcher.cancel)
+        self.batch_feeder = BatchFeeder(self.admission, self.batcher, self.model_name)
         runner = self.engine.runner
         topology = GroupTopology(
             device_kind=group.kind.value, devices=group.device_names, tp_size=tp,
@@ -140,6 +142,7 @@ class GroupRuntime:
         self.writer.start()
         self.batcher.start()
         self.cancels.start()
+        self.batch_feeder.start()
         self.heartbeat.start()
         threading.Thread(target=self._watch_steps, name="llmq-step-watchdog",
                          daemon=True).start()
@@ -211,6 +214,7 @@ class GroupRuntime:
         self.batcher.stop_admitting()
         if self.admission is not None:
             self.admission.close()
+        self.batch_feeder.stop()
         if hung:
             # NOTE: the batcher is stuck inside a step: nothing it publishes or writes
             # later may reach the jobs' streams (the publisher is closed) or rows (they
@@ -270,6 +274,7 @@ class GroupRuntime:
                     self.batcher.load().num_jobs)
         self.heartbeat.draining = True
         self.admission.close()
+        self.batch_feeder.stop()
         aborted = []
         if self.tripped:
             # the jobs were handed back already; a hung batcher is not waited for

@@ -1,7 +1,7 @@
 """responses: the Responses API's own fields of a response, over its job
 
 Revision ID: 0004
-Revises: 0002
+Revises: 0003
 Create Date: 2026-11-22 22:20:00
 """
 
@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0004"
-down_revision = "0002"
+down_revision = "0003"
 branch_labels = None
 depends_on = None
 

@@ -58,6 +58,7 @@ class JobListQuery(BaseModel):
     model: str | None = Field(None, description="only this model's jobs")
     created_after: datetime | None = Field(None, description="ISO 8601; created at or after")
     created_before: datetime | None = Field(None, description="ISO 8601; created before")
+    batch_id: str | None = Field(None, description="only the lines of this batch")
 
 
 class JobChoice(BaseModel):
@@ -116,6 +117,8 @@ class Job(BaseModel):
     links: JobLinks
     cancel_requested: bool | None = Field(None, description="cancel: the worker was asked "
                                           "to stop the job (202)")
+    batch_id: str | None = Field(None, description="the batch of a batch line's job")
+    custom_id: str | None = Field(None, description="the batch line's custom_id")
 
 
 class JobList(BaseModel):

@@ -1,0 +1,237 @@
+"""Batch API benchmark: a big batch beside an interactive client, and the batch's
+throughput beside the offline engine.
+
+    python benchmarks/bench_batch.py [--preset small] [--num-lines 2000] [--max-tokens 32]
+
+In one run, on one random checkpoint (written with `workers.engine.make_model`):
+
+1. offline: the engine alone (same config as the worker) runs the batch's requests, all
+   added at once: output tokens/s;
+2. idle: an interactive client sends streaming completions one after another to the
+   served API (gunicorn + one worker, real Postgres and Redis) with nothing else running:
+   time to first token (client side: from the POST to the first text chunk);
+3. busy: the same client while a `--num-lines` batch runs on the same worker; its TTFT
+   beside idle's, and the batch's output tokens/s (create to `completed`, seen by polling)
+   beside the offline engine's.
+
+Uses the Postgres and Redis this machine runs (a throwaway database and key prefix,
+removed at the end). Prints a Markdown table and, with --json, the raw figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench_pipeline import Services, load_offline_engine, prompts  # noqa: E402
+from bench_services import add_service_args  # noqa: E402
+
+from tasks.settings import Settings  # noqa: E402
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="small", help="workers.engine.make_model preset")
+    p.add_argument("--num-lines", type=int, default=2000, help="requests in the batch")
+    p.add_argument("--max-tokens", type=int, default=32, help="output tokens per batch line")
+    p.add_argument("--prompt-words", type=int, default=24)
+    p.add_argument("--interactive-tokens", type=int, default=16,
+                   help="output tokens per interactive request")
+    p.add_argument("--idle-requests", type=int, default=30,
+                   help="interactive requests timed on the idle server")
+    p.add_argument("--interactive-gap", type=float, default=0.25,
+                   help="seconds between the interactive client's requests")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (engine, worker)")
+    p.add_argument("--web-worker-class", default="stream", choices=["stream", "gthread"])
+    p.add_argument("--web-processes", type=int, default=1)
+    p.add_argument("--web-threads", type=int, default=16)
+    p.add_argument("--worker-concurrency", type=int, default=0)
+    add_service_args(p)
+    return p.parse_args(argv)
+
+
+def run_offline(engine: Any, args: argparse.Namespace) -> dict[str, Any]:
+    from tasks.params import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0)
+    started = time.perf_counter()
+    for i, prompt in enumerate(prompts(args.num_lines, args.prompt_words)):
+        engine.add_request(f"offline-{i}", prompt, params)
+    num_tokens = 0
+    while engine.has_unfinished_requests():
+        num_tokens += sum(len(d.new_token_ids) for d in engine.step())
+    elapsed = time.perf_counter() - started
+    return {"tokens": num_tokens, "seconds": elapsed, "tokens_per_s": num_tokens / elapsed}
+
+
+def ttft(client: Any, args: argparse.Namespace, index: int) -> float:
+    """Seconds from the request to its first text chunk (a streaming completion)."""
+    started = time.perf_counter()
+    stream = client.completions.create(
+        model="bench", prompt=f"an interactive question number {index}",
+        max_tokens=args.interactive_tokens, temperature=0.0, stream=True,
+        extra_body={"ignore_eos": True})
+    first = None
+    for chunk in stream:
+        if first is None and chunk.choices and chunk.choices[0].text:
+            first = time.perf_counter() - started
+    assert first is not None, "no text came back"
+    return first
+
+
+def run_busy(client: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """The batch, and the interactive client beside it until it completes."""
+    lines = [{"custom_id": f"line-{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": "bench", "prompt": prompt, "max_tokens": args.max_tokens,
+                       "temperature": 0.0, "ignore_eos": True}}
+             for i, prompt in enumerate(prompts(args.num_lines, args.prompt_words))]
+    data = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    upload = client.files.create(file=("bench.jsonl", io.BytesIO(data)), purpose="batch")
+    done = threading.Event()
+    samples: list[float] = []
+
+    def interactive() -> None:
+        index = 0
+        while not done.is_set():
+            samples.append(ttft(client, args, 10_000 + index))
+            index += 1
+            done.wait(args.interactive_gap)
+
+    started = time.perf_counter()
+    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/completions",
+                                  completion_window="24h")
+    created = time.perf_counter()
+    thread = threading.Thread(target=interactive, daemon=True)
+    thread.start()
+    while batch.status not in ("completed", "failed", "expired", "cancelled"):
+        time.sleep(0.5)
+        batch = client.batches.retrieve(batch.id)
+    elapsed = time.perf_counter() - started
+    done.set()
+    thread.join(60)
+    output = client.files.content(batch.output_file_id).text.splitlines() \
+        if batch.output_file_id else []
+    tokens = sum(json.loads(line)["response"]["body"]["usage"]["completion_tokens"]
+                 for line in output)
+    return {"status": batch.status, "completed": batch.request_counts.completed,
+            "failed": batch.request_counts.failed, "tokens": tokens, "seconds": elapsed,
+            "create_seconds": created - started, "tokens_per_s": tokens / elapsed,
+            "ttft": samples}
+
+
+def interactive_phases(services: Services, after: float, before: float) -> dict[str, float]:
+    """Medians (ms) of the interactive jobs created between `after` and `before` (unix s):
+    queued to claimed, claimed to first token (the worker's clock, from the rows)."""
+    from datetime import UTC, datetime
+
+    from sqlalchemy import select
+
+    from tasks.db import create_db_engine, make_sessionmaker
+    from tasks.models import Job
+
+    engine = create_db_engine(services.settings.database_url)
+    try:
+        with make_sessionmaker(engine)() as session:
+            rows = session.execute(select(Job.created_at, Job.started_at, Job.first_token_at)
+                                   .where(Job.batch_id.is_(None),
+                                          Job.created_at >= datetime.fromtimestamp(after, UTC),
+                                          Job.created_at < datetime.fromtimestamp(before, UTC))
+                                   ).all()
+    finally:
+        engine.dispose()
+    claim = [(s - c).total_seconds() for c, s, _ in rows if s is not None]
+    first = [(f - s).total_seconds() for _, s, f in rows if s is not None and f is not None]
+    return {"claim_ms_p50": 1000 * statistics.median(claim) if claim else float("nan"),
+            "first_token_ms_p50": 1000 * statistics.median(first) if first else float("nan")}
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import openai
+
+    from workers.engine.make_model import make_model
+
+    workdir = Path(tempfile.mkdtemp(prefix="llmq-bench-batch-"))
+    model_dir = str(make_model(workdir / "model", "qwen3", args.preset))
+    engine = load_offline_engine(model_dir, args, Settings())
+    offline = run_offline(engine, args)
+    print(f"offline: {json.dumps(offline)}", flush=True)
+    del engine
+    services = Services(args, model_dir, workdir)
+    try:
+        client = openai.OpenAI(base_url=services.base_url + "/v1", api_key="unused",
+                               max_retries=0, timeout=600)
+        ttft(client, args, -1)  # warm up
+        idle_started = time.time()
+        idle = [ttft(client, args, i) for i in range(args.idle_requests)]
+        print(f"idle TTFT p50 {1000 * statistics.median(idle):.0f} ms", flush=True)
+        busy_started = time.time()
+        busy = run_busy(client, args)
+        phases = {"idle": interactive_phases(services, idle_started, busy_started),
+                  "busy": interactive_phases(services, busy_started, time.time())}
+    finally:
+        services.close()
+    busy_ttft = busy.pop("ttft")
+    print(f"busy: {json.dumps(busy)}", flush=True)
+    figures = {"args": vars(args), "offline": offline, "busy": busy,
+               "idle_ttft_ms": {f"p{q}": 1000 * _pct(idle, q / 100) for q in (50, 99)},
+               "busy_ttft_ms": {f"p{q}": 1000 * _pct(busy_ttft, q / 100) for q in (50, 99)},
+               "num_busy_requests": len(busy_ttft), "phases": phases, "cpu": _cpu_model(),
+               "cpu_count": os.cpu_count(), "load_average_1m": os.getloadavg()[0]}
+    idle_ms, busy_ms = figures["idle_ttft_ms"], figures["busy_ttft_ms"]
+    rows = [
+        ("workload", f"{args.num_lines} lines x {args.max_tokens} tokens, `{args.preset}` "
+                     f"qwen3, {args.threads} torch thread(s); interactive: "
+                     f"{args.interactive_tokens}-token streaming completions"),
+        ("interactive TTFT, idle server (p50 / p99)",
+         f"{idle_ms['p50']:.0f} / {idle_ms['p99']:.0f} ms ({len(idle)} requests)"),
+        ("interactive TTFT beside the batch (p50 / p99)",
+         f"{busy_ms['p50']:.0f} / {busy_ms['p99']:.0f} ms ({len(busy_ttft)} requests); "
+         f"**p50 {busy_ms['p50'] / idle_ms['p50']:.2f}x idle**"),
+        ("interactive job: queued to claimed, claimed to first token (p50; idle / busy)",
+         f"{phases['idle']['claim_ms_p50']:.0f}, {phases['idle']['first_token_ms_p50']:.0f}"
+         f" / {phases['busy']['claim_ms_p50']:.0f}, "
+         f"{phases['busy']['first_token_ms_p50']:.0f} ms"),
+        ("batch output tok/s (create to completed) / offline engine",
+         f"{busy['tokens_per_s']:.0f} / {offline['tokens_per_s']:.0f} tok/s: "
+         f"**{100 * busy['tokens_per_s'] / offline['tokens_per_s']:.0f}%** "
+         f"({busy['completed']} completed, {busy['failed']} failed, "
+         f"create took {busy['create_seconds']:.1f} s)"),
+        ("machine", f"{figures['cpu']}, {os.cpu_count()} cores, 1-min load average "
+                    f"{figures['load_average_1m']:.1f} at the end"),
+    ]
+    print("\n| | |\n| --- | --- |\n" + "\n".join(f"| {k} | {v} |" for k, v in rows) + "\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

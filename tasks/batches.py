@@ -1,0 +1,223 @@
+"""A batch's life after its jobs are queued: cancel, expiry, and finalization.
+
+A batch is finished by whichever process first sees that none of its jobs is queued or
+running (a web process answering a GET, beat's sweep): `finalize_if_done` writes the
+output and error files and the final status in one transaction whose conditional UPDATE
+(`WHERE status = <what it read>`) lets exactly one process win; a loser's files are rolled
+back with its transaction. Nothing is counted in memory, so a restarted web process or
+worker changes nothing: the job rows are the truth.
+
+Every line of the input ends in exactly one of the two files: a job that succeeded in the
+output file, a failed one in the error file with its HTTP status and error body, and a
+job cancelled by the batch's cancel or expiry in the error file with `batch_cancelled` or
+`batch_expired`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from datetime import datetime
+from typing import Any
+
+from redis import Redis
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from tasks.db import update_count, utcnow
+from tasks.files import new_file_id, store_file
+from tasks.models import Batch, BatchStatus, Job, JobErrorKind, JobKind, JobStatus
+from tasks.openai_body import completion_object, response_id
+from tasks.protocol import EventType, JobEvent, cancel_channel, cancel_flag_key
+from tasks.settings import Settings
+from tasks.streams.publish import EventPublisher
+
+logger = logging.getLogger(__name__)
+
+UNFINISHED = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
+# what a batch becomes once none of its jobs is left, by the status it had
+FINAL_STATUS = {BatchStatus.IN_PROGRESS: BatchStatus.COMPLETED,
+                BatchStatus.CANCELLING: BatchStatus.CANCELLED,
+                BatchStatus.FINALIZING: BatchStatus.EXPIRED}
+_FINAL_TIME = {BatchStatus.COMPLETED: "completed_at", BatchStatus.CANCELLED: "cancelled_at",
+               BatchStatus.EXPIRED: "expired_at"}
+_ENDED_BY = {BatchStatus.CANCELLED: ("batch_cancelled", "the batch was cancelled before this "
+                                     "request finished"),
+             BatchStatus.EXPIRED: ("batch_expired", "this request could not be executed "
+                                   "before the completion window expired")}
+SWEEP_BATCH = 200  # batches looked at per sweep
+
+
+def new_batch_id() -> str:
+    return "batch_" + uuid.uuid4().hex
+
+
+def request_counts(session: Session, batch: Batch) -> dict[str, int]:
+    """`{total, completed, failed}`: the stored figures of a finished batch, else counted
+    from its jobs (failed: failed or cancelled)."""
+    if BatchStatus(batch.status).is_terminal or batch.status == BatchStatus.VALIDATING.value:
+        return {"total": batch.num_total, "completed": batch.num_completed,
+                "failed": batch.num_failed}
+    counts = dict(session.execute(
+        select(Job.status, func.count()).where(Job.batch_id == batch.id).group_by(Job.status)
+    ).all())
+    failed = counts.get(JobStatus.FAILED.value, 0) + counts.get(JobStatus.CANCELLED.value, 0)
+    return {"total": batch.num_total, "completed": counts.get(JobStatus.SUCCEEDED.value, 0),
+            "failed": failed}
+
+
+def finalize_if_done(session_factory: sessionmaker[Session], batch_id: str) -> bool:
+    """Finish `batch_id` when none of its jobs is queued or running: its files, counts
+    and final status. Returns whether this call finished it (False: not done yet, already
+    finished, or another process won)."""
+    with session_factory() as session:
+        batch = session.get(Batch, batch_id)
+        if batch is None:
+            return False
+        status = BatchStatus(batch.status)
+        if status not in FINAL_STATUS:
+            return False
+        unfinished = session.scalar(select(func.count()).select_from(Job).where(
+            Job.batch_id == batch_id, Job.status.in_(UNFINISHED)))
+        if unfinished:
+            return False
+    final = FINAL_STATUS[status]
+    now = utcnow()
+    with session_factory() as session, session.begin():
+        # NOTE: the conditional UPDATE first: it locks the row, so a concurrent
+        # finalizer waits here, then matches nothing and writes no files.
+        won = update_count(session, update(Batch).where(
+            Batch.id == batch_id, Batch.status == status.value).values(
+            status=final.value, finalizing_at=func.coalesce(Batch.finalizing_at, now),
+            **{_FINAL_TIME[final]: now}))
+        if not won:
+            return False  # another process finished it (nothing was written here)
+        jobs = session.scalars(select(Job).where(Job.batch_id == batch_id)
+                               .order_by(Job.batch_index)).all()
+        output: list[str] = []
+        errors: list[str] = []
+        for job in jobs:
+            line, ok = output_line(job, final)
+            (output if ok else errors).append(json.dumps(line, separators=(",", ":")))
+        values: dict[str, Any] = {"num_completed": len(output), "num_failed": len(errors)}
+        for name, lines in (("output_file_id", output), ("error_file_id", errors)):
+            if lines:
+                data = ("\n".join(lines) + "\n").encode()
+                row = store_file(session, api_key_id=batch.api_key_id, purpose="batch_output",
+                                 filename=f"{batch_id}_{name.split('_')[0]}.jsonl", data=data,
+                                 num_lines=len(lines), file_id=new_file_id())
+                values[name] = row.id
+        session.execute(update(Batch).where(Batch.id == batch_id).values(**values))
+    logger.info("batch %s %s: %d requests succeeded, %d failed", batch_id, final.value,
+                len(output), len(errors))
+    return True
+
+
+def output_line(job: Job, final: BatchStatus) -> tuple[dict[str, Any], bool]:
+    """A job's line in the output file (True) or the error file (False)."""
+    line: dict[str, Any] = {"id": "batch_req_" + job.id.hex, "custom_id": job.custom_id,
+                            "response": None, "error": None}
+    if job.status == JobStatus.SUCCEEDED.value:
+        kind = JobKind(job.kind)
+        body = completion_object(
+            kind=kind, id=response_id(kind, job.id.hex), created=_unix(job.created_at),
+            model=job.model, n=int((job.params or {}).get("n", 1)), output=job.output,
+            finish_reason=job.finish_reason,
+            usage={"prompt_tokens": job.prompt_tokens or 0,
+                   "completion_tokens": job.completion_tokens or 0,
+                   "cached_tokens": job.cached_tokens or 0})
+        line["response"] = {"status_code": 200, "request_id": str(job.id), "body": body}
+        return line, True
+    if job.status == JobStatus.CANCELLED.value and final in _ENDED_BY:
+        code, message = _ENDED_BY[final]
+        line["error"] = {"code": code, "message": message}
+        return line, False
+    client_fault = job.error_kind == JobErrorKind.INVALID_REQUEST.value
+    status_code = 400 if client_fault else 500
+    error = {"type": "invalid_request_error" if client_fault else "server_error",
+             "message": job.error or f"job {job.id} ended {job.status}", "param": None,
+             "code": "invalid_value" if client_fault else "job_failed"}
+    line["response"] = {"status_code": status_code, "request_id": str(job.id),
+                        "body": {"error": error}}
+    return line, False
+
+
+def cancel_batch_jobs(session_factory: sessionmaker[Session], redis: Redis, settings: Settings,
+                      batch_id: str) -> tuple[int, int]:
+    """Cancel every unfinished job of `batch_id`: queued ones at once (one UPDATE, their
+    terminal events published), running ones by asking their workers. Returns
+    (cancelled now, asked)."""
+    now = utcnow()
+    with session_factory() as session, session.begin():
+        cancelled = session.execute(
+            update(Job).where(Job.batch_id == batch_id, Job.status == JobStatus.QUEUED.value)
+            .values(status=JobStatus.CANCELLED.value, finish_reason="cancelled",
+                    finished_at=now)
+            .returning(Job.id, Job.prompt_tokens)).all()
+    with session_factory() as session:
+        running = [str(job_id) for job_id in session.scalars(select(Job.id).where(
+            Job.batch_id == batch_id, Job.status == JobStatus.RUNNING.value))]
+    events = []
+    for job_id, prompt_tokens in cancelled:
+        usage = {"prompt_tokens": prompt_tokens or 0, "completion_tokens": 0,
+                 "total_tokens": prompt_tokens or 0, "cached_tokens": 0}
+        events.append((str(job_id), JobEvent(EventType.CANCELLED, finish_reason="cancelled",
+                                             usage=usage)))
+    if events:
+        EventPublisher(redis, settings).publish(events)
+    if running:
+        pipe = redis.pipeline(transaction=False)
+        for job_id in running:
+            # NOTE: the flag outlives a lease reclaim: a requeued job is cancelled at its claim
+            pipe.set(cancel_flag_key(settings, job_id), b"1", ex=settings.stream_ttl_seconds)
+            pipe.publish(cancel_channel(settings), job_id)
+        pipe.execute()
+    logger.info("batch %s: %d queued jobs cancelled, %d running asked to stop", batch_id,
+                len(cancelled), len(running))
+    return len(cancelled), len(running)
+
+
+def expire_batch(session_factory: sessionmaker[Session], redis: Redis, settings: Settings,
+                 batch_id: str) -> bool:
+    """Past its window: `in_progress` -> `finalizing` (it ends `expired`), its unfinished
+    jobs cancelled. Returns whether this call expired it."""
+    with session_factory() as session, session.begin():
+        won = update_count(session, update(Batch).where(
+            Batch.id == batch_id, Batch.status == BatchStatus.IN_PROGRESS.value,
+            Batch.expires_at < utcnow()).values(status=BatchStatus.FINALIZING.value,
+                                                finalizing_at=utcnow()))
+    if won:
+        logger.warning("batch %s passed its completion window; expiring it", batch_id)
+        cancel_batch_jobs(session_factory, redis, settings, batch_id)
+    return bool(won)
+
+
+def sweep_batches(session_factory: sessionmaker[Session], redis: Redis,
+                  settings: Settings) -> int:
+    """Beat's pass: expire batches past their window, finalize those whose jobs all ended
+    (nobody may be polling them). Returns how many batches it finished."""
+    with session_factory() as session:
+        rows = session.execute(
+            select(Batch.id, Batch.status, Batch.expires_at)
+            .where(Batch.status.in_([s.value for s in FINAL_STATUS]))
+            .order_by(Batch.created_at).limit(SWEEP_BATCH)).all()
+    now = utcnow()
+    finished = 0
+    for batch_id, status, expires_at in rows:
+        if status == BatchStatus.IN_PROGRESS.value and window_passed(expires_at, now):
+            expire_batch(session_factory, redis, settings, batch_id)
+        finished += finalize_if_done(session_factory, batch_id)
+    return finished
+
+
+def window_passed(expires_at: datetime | None, now: datetime | None = None) -> bool:
+    """Whether a batch's completion window is over (SQLite gives naive UTC times)."""
+    if expires_at is None:
+        return False
+    now = now or utcnow()
+    return expires_at.replace(tzinfo=expires_at.tzinfo or now.tzinfo) < now
+
+
+def _unix(when: datetime | None) -> int:
+    return int(when.timestamp()) if when is not None else 0
