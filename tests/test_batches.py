@@ -181,26 +181,29 @@ def test_batch_outputs_equal_direct_requests_and_a_bad_body_fails_its_line(
     prompts = ["name three colours", "count to five", "say hello"]
     lines = [_chat_line(f"req-{i}", p) for i, p in enumerate(prompts)]
     lines.append(_chat_line("bad", "x", max_tokens=0))  # refused as the direct request is
+    # the row keeps no tool plan to shape calls with: refused in a batch, not ignored
+    lines.append(_chat_line("tools", "x", tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {}}}}]))
     input_file = _upload(client, lines)
     batch = client.batches.create(input_file_id=input_file.id, endpoint="/v1/chat/completions",
                                   completion_window="24h", metadata={"run": "equal"})
     assert batch.object == "batch" and batch.id.startswith("batch_")
-    assert batch.metadata == {"run": "equal"} and batch.request_counts.total == 4
+    assert batch.metadata == {"run": "equal"} and batch.request_counts.total == 5
     # each line is a job of the batch, listed like any job
     with session_factory() as session:
         jobs = session.scalars(select(Job).where(Job.batch_id == batch.id)
                                .order_by(Job.batch_index)).all()
-    assert [job.custom_id for job in jobs] == ["req-0", "req-1", "req-2", "bad"]
-    assert jobs[3].status == JobStatus.FAILED.value
+    assert [job.custom_id for job in jobs] == ["req-0", "req-1", "req-2", "bad", "tools"]
+    assert jobs[3].status == jobs[4].status == JobStatus.FAILED.value
     listed = requests.get(f"{base_url}/v1/jobs", params={"batch_id": batch.id}, timeout=30)
     assert sorted(job["custom_id"] for job in listed.json()["data"]) == [
-        "bad", "req-0", "req-1", "req-2"]
+        "bad", "req-0", "req-1", "req-2", "tools"]
     assert {job["batch_id"] for job in listed.json()["data"]} == {batch.id}
 
     done = _wait_status(client, batch.id, ("completed", "failed", "expired", "cancelled"))
     assert done.status == "completed" and done.completed_at and done.output_file_id
     output, errors = _every_line_once(client, done, [line["custom_id"] for line in lines])
-    assert done.request_counts.completed == 3 and done.request_counts.failed == 1
+    assert done.request_counts.completed == 3 and done.request_counts.failed == 2
     assert [line["custom_id"] for line in output] == ["req-0", "req-1", "req-2"]
     for line, prompt in zip(output, prompts):
         assert line["id"].startswith("batch_req_") and line["error"] is None
@@ -219,9 +222,11 @@ def test_batch_outputs_equal_direct_requests_and_a_bad_body_fails_its_line(
         for name in ("prompt_tokens", "completion_tokens", "total_tokens"):
             assert body["usage"][name] == direct["usage"][name]
         assert body["id"] == "chatcmpl-" + uuid.UUID(line["response"]["request_id"]).hex
-    [bad] = errors
+    bad, tools = errors
     assert bad["custom_id"] == "bad" and bad["response"]["status_code"] == 400
     assert "max_tokens" in bad["response"]["body"]["error"]["message"]
+    assert tools["custom_id"] == "tools" and tools["response"]["status_code"] == 400
+    assert "tools is not supported in a batch" in tools["response"]["body"]["error"]["message"]
     # finished once: a second finalize (another web process, beat) changes nothing
     assert finalize_if_done(session_factory, batch.id) is False
     assert client.batches.retrieve(batch.id).output_file_id == done.output_file_id
