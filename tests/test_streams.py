@@ -15,7 +15,8 @@ from tasks.streams.reader import EventSubscriber, current_output, parse_stream_i
 
 
 def _tokens(n: int, start: int = 0) -> list[JobEvent]:
-    return [JobEvent(EventType.TOKEN, text=f"t{i} ", token_ids=[i]) for i in range(start, start + n)]
+    return [JobEvent(EventType.TOKEN, text=f"t{i} ", token_ids=[i])
+            for i in range(start, start + n)]
 
 
 def _done() -> JobEvent:

@@ -52,7 +52,8 @@ def upgrade() -> None:
     sa.Column("started_at", sa.DateTime(timezone=True), nullable=True),
     sa.Column("first_token_at", sa.DateTime(timezone=True), nullable=True),
     sa.Column("finished_at", sa.DateTime(timezone=True), nullable=True),
-    sa.ForeignKeyConstraint(["api_key_id"], ["api_keys.id"], name=op.f("fk_jobs_api_key_id_api_keys")),
+    sa.ForeignKeyConstraint(["api_key_id"], ["api_keys.id"],
+                            name=op.f("fk_jobs_api_key_id_api_keys")),
     sa.PrimaryKeyConstraint("id", name=op.f("pk_jobs"))
     )
     op.create_index("ix_jobs_key_created", "jobs", ["api_key_id", "created_at"], unique=False)
