@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import io
 import json
+import threading
 import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -14,6 +17,7 @@ from sqlalchemy import func, select
 from tasks.api.batches import BATCH_PRIORITY
 from tasks.models import Job, JobStatus
 from tasks.params import SamplingParams
+from tasks.protocol import EventType, JobEvent, events_key
 from tests.pipeline_helpers import running_worker, wait_for
 from workers.admitted import AdmittedJob
 from workers.inbox import JobInbox
@@ -36,6 +40,24 @@ def test_batch_jobs_leave_a_quarter_of_the_capacity_to_interactive_ones():
     inbox.release(taken[:1])  # one batch line ends: room for an interactive job first
     assert inbox.admit(_job("i2"), timeout=0.1)
     assert not inbox.admit(_job("b7", BATCH_PRIORITY), timeout=0.1)
+
+
+def test_interactive_jobs_beyond_the_reserve_take_room_from_batch_lines():
+    inbox = JobInbox(capacity=4)  # 3 for batch lines, 1 kept
+    for i in range(3):
+        assert inbox.admit(_job(f"b{i}", BATCH_PRIORITY), timeout=0.1)
+    assert inbox.admit(_job("i0"), timeout=0.1)
+    assert inbox.interactive_shortfall() == 0  # nobody waits
+    waiter = threading.Thread(target=lambda: admitted.append(inbox.admit(_job("i1"))))
+    admitted: list[bool] = []
+    waiter.start()
+    wait_for(lambda: inbox.interactive_shortfall() == 1, 5, "the interactive job to wait")
+    # while it waits, no batch line is admitted, even into free room
+    taken = inbox.take().jobs
+    assert inbox.wait_batch_room(0.05) == 0
+    inbox.release([taken[0]])  # the batcher handed a line back: the interactive job runs
+    waiter.join(5)
+    assert admitted == [True] and inbox.interactive_shortfall() == 0
 
 
 @pytest.mark.integration
@@ -76,7 +98,6 @@ def test_an_interactive_request_behind_a_batch_does_not_wait_for_it(
     # took less than a line's time
     assert ended_after == ended_before, (ended_before, ended_after, latency, idle)
     assert latency < min(runs), (latency, idle, min(runs))
-    assert latency < 4 * idle, (latency, idle)
 
 
 def _timed(client: openai.OpenAI) -> float:
@@ -85,3 +106,61 @@ def _timed(client: openai.OpenAI) -> float:
                                        temperature=0.0, extra_body={"ignore_eos": True})
     assert answer.usage.completion_tokens == 8
     return time.monotonic() - started
+
+
+@pytest.mark.integration
+def test_interactive_requests_beyond_the_reserve_hand_batch_lines_back(
+        start_web, service_settings, redis_client, session_factory, tmp_path):
+    """A group of 4 sequences, 3 busy with long batch lines: 3 interactive requests at once
+    need more than the one kept sequence, so batch lines are handed back (unspent) for
+    them; the interactive requests end before any line, and the batch still completes
+    with every line exactly once."""
+    base_url = start_web(service_settings)
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0,
+                           timeout=120)
+    lines = [{"custom_id": f"h{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": "tiny", "prompt": f"line {i}", "max_tokens": 800,
+                       "temperature": 0.0, "ignore_eos": True}} for i in range(4)]
+    data = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    with running_worker(service_settings, redis_client, tmp_path, "handback",
+                        args=["--max-num-seqs", "4", "--kv-cache-bytes",
+                              str(16 * 1024 * 1024)]):
+        upload = client.files.create(file=("h.jsonl", io.BytesIO(data)), purpose="batch")
+        batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/completions",
+                                      completion_window="24h")
+
+        def lines_in(*statuses: str) -> int:
+            with session_factory() as session:
+                return session.scalar(select(func.count()).select_from(Job).where(
+                    Job.batch_id == batch.id, Job.status.in_(statuses)))
+
+        wait_for(lambda: lines_in(JobStatus.RUNNING.value) >= 3, 60, "batch lines running")
+        with ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(lambda i: client.completions.create(
+                model="tiny", prompt=f"interactive {i}", max_tokens=64, temperature=0.0,
+                extra_body={"ignore_eos": True}), range(3)))
+        ended = lines_in(JobStatus.SUCCEEDED.value)
+        done = wait_for(lambda: (lambda b: b if b.status == "completed" else None)(
+            client.batches.retrieve(batch.id)), 300, "the batch completed")
+        output = client.files.content(done.output_file_id).text.splitlines()
+    assert ended == 0, ended  # every interactive request ended first
+    with session_factory() as session:
+        interactive = [session.get(Job, uuid.UUID(answer.id.removeprefix("cmpl-")))
+                       for answer in answers]
+    # they ran side by side (each had its first token before any of them ended), not one
+    # after another in the one kept sequence
+    assert max(job.first_token_at for job in interactive) < min(
+        job.finished_at for job in interactive), [
+        (round((job.first_token_at - job.created_at).total_seconds() * 1e3),
+         round((job.finished_at - job.created_at).total_seconds() * 1e3),
+         round((job.created_at - interactive[0].created_at).total_seconds() * 1e3))
+        for job in interactive]
+    assert sorted(json.loads(line)["custom_id"] for line in output) == [
+        f"h{i}" for i in range(4)]
+    with session_factory() as session:
+        rows = session.scalars(select(Job).where(Job.batch_id == batch.id)).all()
+    restarted = [row for row in rows if any(
+        JobEvent.from_fields(fields).type is EventType.RESTART
+        for _, fields in redis_client.xrange(events_key(service_settings, str(row.id))))]
+    assert restarted, "no batch line was handed back"
+    assert all(row.attempts == 1 for row in rows)  # handed back unspent

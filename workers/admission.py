@@ -26,6 +26,7 @@ from sqlalchemy import ColumnElement, Row, select, update
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
+from tasks.api.batches import is_batch_priority
 from tasks.db import utcnow
 from tasks.models import Job, JobErrorKind, JobStatus
 from tasks.params import SamplingParams
@@ -187,7 +188,8 @@ class JobAdmission:
             # NOTE: shutting down; the job never ran here, so give it straight back
             # (the claim is undone: it spent nothing).
             logger.info("job %s not admitted: %s is draining", job_id, self.group_id)
-            self.writer.requeue(job_id, attempt, give_back=True)
+            self.writer.requeue(job_id, attempt, give_back=True,
+                                send_message=not is_batch_priority(job.priority))
             return GenerateOutcome.REQUEUED
         return GenerateOutcome.ADMITTED
 

@@ -119,11 +119,13 @@ class DbWriter:
         """Write the terminal row, then publish `result.event`; stops the lease renewal."""
         self._queue.put(result)
 
-    def requeue(self, job_id: str, attempt: int, *, give_back: bool = True) -> None:
+    def requeue(self, job_id: str, attempt: int, *, give_back: bool = True,
+                send_message: bool = True) -> None:
         """Give `attempt` of a claimed job back: row to queued, a `restart` event, a new
-        generate message. `give_back`: not the job's fault (drain, tripped breaker), so
-        the attempt is not spent."""
-        self._queue.put(JobRequeue(job_id, attempt, give_back))
+        generate message (`send_message` False: a batch line, which the batch feeders
+        claim from the table). `give_back`: not the job's fault (drain, tripped breaker,
+        room for interactive jobs), so the attempt is not spent."""
+        self._queue.put(JobRequeue(job_id, attempt, give_back, send_message))
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Block until everything queued before this call is written. False on timeout."""
@@ -231,6 +233,10 @@ class DbWriter:
                                EventFence(0, 0)) for q in requeued]
         self._publish_pending()
         for q in requeued:
+            if not q.send_message:
+                logger.info("job %s handed back to the table by %s (next attempt %d)",
+                            q.job_id, self.group_id, q.next_attempt)
+                continue
             try:
                 self.send_generate(q.job_id)
             except Exception:

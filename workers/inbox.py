@@ -10,7 +10,10 @@ its worker from fetching more messages, so other device groups take them
 Batch lines (`tasks.api.batches.BATCH_PRIORITY`) fill spare room only: they wait while
 more than `batch_capacity` samples are admitted, so a quarter of the capacity stays free
 for interactive jobs, which never wait behind them here (and the scheduler orders them
-first, and preempts batch sequences first when KV blocks run out).
+first, and preempts batch sequences first when KV blocks run out). When interactive jobs
+need more than that quarter, they take room from batch lines: while one waits in `admit`,
+`interactive_shortfall()` tells the batcher how many samples to hand back (batch lines go
+back to the queue unspent, `workers/batcher.py`), and no batch line is admitted.
 
 One condition variable guards everything here; every change that can unblock a waiter
 notifies it.
@@ -52,6 +55,7 @@ class JobInbox:
         self._cancels = CancelRequests()
         self._num_active_samples = 0  # admitted, not finished; counted against capacity
         self._num_jobs = 0  # admitted, not finished (in the engine or about to be added)
+        self._num_waiting_interactive = 0  # samples of interactive jobs blocked in admit
         self._lost: set[tuple[str, int]] = set()
         self._admitting = True
         self._stopping = False
@@ -65,18 +69,28 @@ class JobInbox:
         `timeout` passes; the caller then gives the job back to the queue.
         """
         need = job.num_samples
-        limit = self.batch_capacity if is_batch_priority(job.priority) else self.capacity
+        batch = is_batch_priority(job.priority)
+        limit = self.batch_capacity if batch else self.capacity
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
             # NOTE: a job bigger than the whole capacity still runs, alone; a job cancelled
             # while it waits goes through at once (the loop ends it without running it).
-            while self._admitting and self._num_active_samples > 0 and (
-                self._num_active_samples + need > limit
-            ) and job.job_id not in self._cancels:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return False
-                self._cv.wait(remaining)
+            waiting = False
+            try:
+                while self._admitting and self._num_active_samples > 0 and (
+                    self._num_active_samples + need > limit
+                    or (batch and self._num_waiting_interactive > 0)
+                ) and job.job_id not in self._cancels:
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        return False
+                    if not batch and not waiting:
+                        waiting = True  # the batcher hands batch lines back for it
+                        self._num_waiting_interactive += need
+                    self._cv.wait(remaining)
+            finally:
+                if waiting:
+                    self._num_waiting_interactive -= need
             if not self._admitting:
                 return False
             self._num_active_samples += need
@@ -92,7 +106,8 @@ class JobInbox:
         deadline = time.monotonic() + timeout
         with self._cv:
             while self._admitting and self._num_active_samples > 0 and (
-                    self._num_active_samples + 1 > self.batch_capacity):
+                    self._num_active_samples + 1 > self.batch_capacity
+                    or self._num_waiting_interactive > 0):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return 0
@@ -100,6 +115,15 @@ class JobInbox:
             if not self._admitting:
                 return 0
             return max(1, self.batch_capacity - self._num_active_samples)
+
+    def interactive_shortfall(self) -> int:
+        """Samples that interactive jobs waiting in `admit` lack beyond the free room (0:
+        none wait, or they fit): what the batcher should hand back from batch lines."""
+        with self._cv:
+            if not self._num_waiting_interactive:
+                return 0
+            free = self.capacity - self._num_active_samples
+            return max(0, self._num_waiting_interactive - free)
 
     def cancel(self, job_id: str) -> None:
         """Record a cancel request; it also releases `job_id` if it waits in `admit`."""

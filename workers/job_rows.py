@@ -70,6 +70,9 @@ class JobRequeue:
     job_id: str
     attempt: int  # the claim being handed back (jobs.attempts now)
     give_back: bool = True
+    # False for a batch line: it has no generate message; a batch feeder claims it from
+    # the table (workers/batch_feeder.py)
+    send_message: bool = True
 
     @property
     def next_attempt(self) -> int:

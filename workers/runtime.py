@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 
+from tasks.api.batches import is_batch_priority
 from tasks.celery_app import send_generate
 from tasks.settings import Settings
 from workers.engine.topology import DeviceGroup, GroupTopology, build_topology
@@ -221,11 +222,15 @@ class GroupRuntime:
             # are queued, or another group's, so its fenced writes match nothing).
             self.batcher.publisher.close()
             jobs = self.writer.owned()
+            batch_lines: set[str] = set()  # not known here: every job gets a message
         else:
             jobs = {job.job_id: job.attempt for job in self.batcher.aborted}
+            batch_lines = {job.job_id for job in self.batcher.aborted
+                           if is_batch_priority(job.priority)}
             self.batcher.aborted = []
         for job_id, attempt in jobs.items():
-            self.writer.requeue(job_id, attempt, give_back=True)
+            self.writer.requeue(job_id, attempt, give_back=True,
+                                send_message=job_id not in batch_lines)
         logger.error("group %s handed back %d jobs", self.group_id, len(jobs))
         try:
             self.heartbeat.beat()
@@ -285,7 +290,8 @@ class GroupRuntime:
         for job in aborted:
             # NOTE: not the job's fault: the attempt is given back (rolling restarts never
             # spend a job's retry budget)
-            self.writer.requeue(job.job_id, job.attempt, give_back=True)
+            self.writer.requeue(job.job_id, job.attempt, give_back=True,
+                                send_message=not is_batch_priority(job.priority))
         if aborted:
             logger.info("group %s requeued %d unfinished jobs", self.group_id, len(aborted))
         self.writer.stop()

@@ -33,7 +33,7 @@ from typing import Protocol
 
 from tasks.protocol import EventType, JobEvent
 from tasks.streams.publish import EventFence
-from workers.job_rows import JobResult
+from workers.job_rows import JobRequeue, JobResult
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,8 @@ class _Step:
 
     events: list[tuple[str, JobEvent]]
     fences: list[EventFence]  # fences[i] fences events[i]
-    results: list[JobResult]  # handed on once the events are stored
+    # handed on once the events are stored: terminal rows, and jobs handed back
+    results: list[JobResult | JobRequeue]
     handle: object | None  # None: not sent (the publisher thread sends it)
 
 
@@ -77,7 +78,7 @@ class StepPublisher:
     def __init__(
         self,
         sender: EventSender,
-        on_published: Callable[[JobResult], None],
+        on_published: Callable[[JobResult | JobRequeue], None],
         *,
         max_pending_steps: int = 4096,
     ) -> None:
@@ -103,7 +104,7 @@ class StepPublisher:
         return not self._direct
 
     def submit(self, events: list[tuple[str, JobEvent]], attempts: dict[str, int],
-               results: list[JobResult]) -> None:
+               results: list[JobResult | JobRequeue]) -> None:
         """From the batcher thread, right after a step. `attempts[job_id]` is the claim
         the job's events belong to."""
         if self._closed:
