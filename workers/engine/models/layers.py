@@ -63,13 +63,15 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def prepack(self) -> None:
-        """Swap the loaded weight for its prepacked copy (CPU; kernels/linear.py). The
-        layer can compute afterwards, not load weights or move."""
-        if dense.can_prepack(self.weight):
-            packed = dense.prepack(self.weight)
-            del self.weight  # the plain copy is freed: the packed one replaces it
-            self.register_buffer("weight", packed, persistent=False)
+    def prepack(self) -> bool:
+        """Swap the loaded weight for its prepacked copy (CPU; kernels/linear.py); True if
+        it did. The layer can compute afterwards, not load weights or move."""
+        if not dense.can_prepack(self.weight):
+            return False
+        packed = dense.prepack(self.weight)
+        del self.weight  # the plain copy is freed: the packed one replaces it
+        self.register_buffer("weight", packed, persistent=False)
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return dense.linear(x, self.weight, self.bias)
@@ -198,14 +200,17 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     packed_weight: torch.Tensor | None = None
 
-    def prepack(self) -> None:
-        """Keep a prepacked copy of the projection beside the weight (CPU).
+    def prepack(self) -> bool:
+        """Keep a prepacked copy of the projection beside the weight (CPU); True if it
+        made one.
 
         NOTE: the weight stays: tied to the input embedding it must stay row-major for
-        lookups. The copy costs vocab x hidden elements and buys the largest single GEMM
-        of a decode step (the logits) a 1.5-2x faster kernel."""
-        if self.packed_weight is None and dense.can_prepack(self.weight):
-            self.packed_weight = dense.prepack(self.weight)
+        lookups. The copy costs vocab x hidden elements and gives the largest single GEMM
+        of a decode step (the logits) the faster kernel (docs/benchmarks.md, CPU speed)."""
+        if self.packed_weight is not None or not dense.can_prepack(self.weight):
+            return False
+        self.packed_weight = dense.prepack(self.weight)
+        return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.weight if self.packed_weight is None else self.packed_weight
@@ -221,11 +226,5 @@ def prepack_linears(model: nn.Module) -> int:
     """Prepack the weight of every linear layer and LM head of `model` that can take the
     CPU's prepacked path; returns how many did. Call once the weights are loaded and on
     their device; calling again changes nothing."""
-    count = 0
-    for module in model.modules():
-        if isinstance(module, LinearBase | ParallelLMHead):
-            before = module.weight if isinstance(module, LinearBase) else module.packed_weight
-            module.prepack()
-            after = module.weight if isinstance(module, LinearBase) else module.packed_weight
-            count += after is not before
-    return count
+    return sum(module.prepack() for module in model.modules()
+               if isinstance(module, LinearBase | ParallelLMHead))
