@@ -2,7 +2,8 @@
 
 1. Scheduler overhead: `schedule()` + `update_from_output()` per step with a fake runner
    (no model), 256 sequences running. Target: <= 1 ms per step.
-2. Engine throughput on the `100m` preset (random weights, fp32, CPU): a mixed workload
+2. Engine throughput on the `100m` preset (random weights, CPU, `--dtype` float32 or
+   bfloat16 on both sides; the CPU description is printed first): a mixed workload
    of 64 requests (prompts 32-512 tokens, outputs 16-256, fixed seed, ignore_eos), beside
    Hugging Face `generate` on the same requests one by one and in padded static batches of
    16. Targets: >= 8x one by one, >= 2x static batching.
@@ -100,12 +101,13 @@ def make_workload(num_requests: int, vocab_size: int, seed: int = 0) -> Workload
     return Workload(prompts, [rng.randint(16, 256) for _ in range(num_requests)])
 
 
-def run_engine(model_dir: Path, work: Workload, kv_cache_bytes: int) -> tuple[float, list]:
+def run_engine(model_dir: Path, work: Workload, kv_cache_bytes: int,
+               dtype: str) -> tuple[float, list]:
     from workers.engine.builder import build_engine
     from workers.engine.config import EngineConfig
 
     engine = build_engine(
-        str(model_dir), dtype="float32", kv_cache_bytes=kv_cache_bytes, config=EngineConfig()
+        str(model_dir), dtype=dtype, kv_cache_bytes=kv_cache_bytes, config=EngineConfig()
     )
     # warm up the kernels once, outside the timing
     engine.add_request("warmup", work.prompts[0][:32], SamplingParams(max_tokens=2, temperature=0))
@@ -164,22 +166,27 @@ def bench_engine(args: argparse.Namespace) -> dict[str, float]:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from kernels.cpu import describe
     from workers.engine.make_model import make_model
 
+    torch.set_num_threads(args.threads)
+    print(describe(), flush=True)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
         make_model(model_dir, "qwen3", args.preset, seed=args.seed, dtype="float32")
-        model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(model_dir,
+                                                     dtype=getattr(torch, args.dtype))
         model.eval()
         work = make_workload(args.num_requests, model.config.vocab_size, seed=args.seed)
         print(
             f"workload: {len(work.prompts)} requests, "
-            f"{sum(map(len, work.prompts))} prompt tokens, {work.num_output_tokens} output tokens",
+            f"{sum(map(len, work.prompts))} prompt tokens, {work.num_output_tokens} output tokens"
+            f", {args.dtype}",
             flush=True,
         )
 
-        engine_s, engine_out = run_engine(model_dir, work, args.kv_cache_bytes)
+        engine_s, engine_out = run_engine(model_dir, work, args.kv_cache_bytes, args.dtype)
         engine_tps = work.num_output_tokens / engine_s
         print(f"  engine: {engine_s:.1f}s, {engine_tps:.1f} output tok/s", flush=True)
 
@@ -225,6 +232,9 @@ def main() -> None:
     parser.add_argument("--preset", default="100m")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="weights of the engine and of Hugging Face alike")
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     parser.add_argument("--kv-cache-bytes", type=int, default=2 * 1024**3)
     parser.add_argument(
         "--hf-one-by-one-subset",

@@ -1,14 +1,15 @@
 """Model execution benchmark on the `100m` preset (random weights, CPU, 2 threads).
 
-Measured in one run:
+Measured in one run, beside the CPU description (model, ISA flags, threads, versions):
 1. batch-1 decode milliseconds per step beside the memory-bandwidth floor: the bytes of
    weights one decode step reads, divided by the copy bandwidth measured here with a large
-   tensor copy (STREAM convention: bytes read + bytes written, per second);
+   tensor copy (STREAM convention: bytes read + bytes written, per second); for our
+   prepacked linear path and torch's reference `linear`, alternated, medians;
 2. output tokens/s at batch 1, 16 and 64 (same prompt length, same number of new tokens,
-   EOS ignored) beside Hugging Face `generate` on the same prompts.
+   EOS ignored) beside Hugging Face `generate` on the same prompts, same dtype.
 
     python benchmarks/bench_model.py                       # builds the checkpoint in a temp dir
-    python benchmarks/bench_model.py --model-dir DIR --batches 1,16
+    python benchmarks/bench_model.py --model-dir DIR --batches 1,16 --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
+from kernels.cpu import describe
 from tasks.params import SamplingParams
 from workers.engine.loader import load_checkpoint
 from workers.engine.model_runner import ModelRunner
@@ -51,6 +53,8 @@ def step_weight_bytes(model: torch.nn.Module, tied: bool) -> int:
         if name == "model.embed_tokens.weight" and not tied:
             continue
         total += p.numel() * p.element_size()
+    # prepacked projection weights are buffers (kernels/linear.py)
+    total += sum(b.numel() * b.element_size() for b in model.buffers() if b.is_mkldnn)
     return total
 
 
@@ -97,15 +101,37 @@ def hf_generate(hf, prompts: list[list[int]], num_new: int) -> list[list[int]]:
     return out[:, ids.shape[1]:].tolist()
 
 
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+def make_bench(model_dir: str, dtype: str, prepack: bool, max_batch: int,
+               blocks_per_seq: int, prompt_len: int) -> Bench:
+    loaded = load_checkpoint(model_dir, dtype=dtype)
+    probe = ModelRunner(loaded, block_size=BLOCK_SIZE, kv_cache_bytes=1 << 20,
+                        prepack_weights=False)
+    runner = ModelRunner(loaded, block_size=BLOCK_SIZE,
+                         kv_cache_bytes=probe.bytes_per_block * blocks_per_seq * max_batch,
+                         max_num_batched_tokens=max_batch * prompt_len,
+                         max_num_seqs=max_batch, prepack_weights=prepack)
+    return Bench(runner)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", help="reuse a checkpoint instead of building 100m")
     parser.add_argument("--arch", default="qwen3")
+    parser.add_argument("--dtype", default="auto", help="auto (this CPU's default), float32, "
+                        "bfloat16")
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=2, help="runs per figure; best kept")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="alternated runs per figure; medians (and best) reported")
+    parser.add_argument("--no-reference", action="store_true",
+                        help="skip torch's reference linear (the A/B of the prepacked path)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
@@ -119,18 +145,16 @@ def main() -> None:
         print(f"building the 100m {args.arch} checkpoint in {tmp.name} ...", flush=True)
         model_dir = make_model(Path(tmp.name) / "m", arch=args.arch, preset="100m",
                                tie_word_embeddings=True)
-    loaded = load_checkpoint(model_dir)
-    config = loaded.config
-    num_params = sum(p.numel() for p in loaded.model.parameters())
     max_batch = max(batches)
     blocks_per_seq = -(-(args.prompt_len + args.new_tokens) // BLOCK_SIZE)
-    probe = ModelRunner(loaded, block_size=BLOCK_SIZE, kv_cache_bytes=1 << 20)
-    runner = ModelRunner(loaded, block_size=BLOCK_SIZE,
-                         kv_cache_bytes=probe.bytes_per_block * blocks_per_seq * max_batch,
-                         max_num_batched_tokens=max_batch * args.prompt_len,
-                         max_num_seqs=max_batch)
-    del probe
-    bench = Bench(runner)
+    shape = (max_batch, blocks_per_seq, args.prompt_len)
+    benches = {"prepacked": make_bench(model_dir, args.dtype, True, *shape)}
+    if not args.no_reference:
+        benches["reference"] = make_bench(model_dir, args.dtype, False, *shape)
+    loaded = benches["prepacked"].runner.loaded
+    config = loaded.config
+    num_params = sum(p.numel() for p in loaded.model.parameters()) + sum(
+        b.numel() for b in loaded.model.buffers() if b.is_mkldnn)
     gen = torch.Generator().manual_seed(0)
     all_prompts = torch.randint(3, config.vocab_size, (max_batch, args.prompt_len),
                                 generator=gen).tolist()
@@ -138,24 +162,30 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     weight_bytes = step_weight_bytes(loaded.model, config.tie_word_embeddings)
     floor_ms = weight_bytes / bandwidth * 1e3
-    print(f"model: {config.arch} {num_params / 1e6:.1f}M params, {config.dtype}, "
-          f"{torch.get_num_threads()} threads; prompt {args.prompt_len}, "
-          f"{args.new_tokens} new tokens")
+    print(describe())
+    print(f"model: {config.arch} {num_params / 1e6:.1f}M params, {config.dtype}; "
+          f"prompt {args.prompt_len}, {args.new_tokens} new tokens")
     print(f"copy bandwidth {bandwidth / 1e9:.2f} GB/s (read+write); a decode step reads "
           f"{weight_bytes / 1e6:.0f} MB of weights -> floor {floor_ms:.1f} ms/step")
 
-    bench.generate(all_prompts[:1], 8)  # warm up
+    for bench in benches.values():
+        bench.generate(all_prompts[:1], 8)  # warm up
     for threads in sorted({args.threads, 1}, reverse=True):
         torch.set_num_threads(threads)
-        step_times: list[float] = []
+        step_times: dict[str, list[float]] = {name: [] for name in benches}
+        # NOTE: alternate the paths run by run: on a shared machine a single run measures
+        # the neighbours as much as the code
         for _ in range(args.repeats):
-            bench.generate(all_prompts[:1], args.new_tokens, step_times)
-        step_times.sort()
-        median_ms = step_times[len(step_times) // 2] * 1e3
-        best_ms = step_times[0] * 1e3
-        print(f"batch-1 decode, {threads} thread(s): median {median_ms:.1f} ms/step "
-              f"({median_ms / floor_ms:.2f}x the floor), best {best_ms:.1f} ms/step "
-              f"({best_ms / floor_ms:.2f}x)", flush=True)
+            for name, bench in benches.items():
+                bench.generate(all_prompts[:1], args.new_tokens, step_times[name])
+        for name, times in step_times.items():
+            med, best = median(times) * 1e3, min(times) * 1e3
+            print(f"batch-1 decode, {threads} thread(s), {name}: median {med:.1f} ms/step "
+                  f"({med / floor_ms:.2f}x the floor), best {best:.1f} ms/step "
+                  f"({best / floor_ms:.2f}x)", flush=True)
+        if "reference" in step_times:
+            print(f"  prepacked / reference median: "
+                  f"{median(step_times['prepacked']) / median(step_times['reference']):.2f}")
     torch.set_num_threads(args.threads)
 
     from transformers import AutoModelForCausalLM
@@ -163,23 +193,25 @@ def main() -> None:
     hf = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True,
                                               dtype=config.dtype).eval()
     hf_generate(hf, all_prompts[:1], 4)  # warm up
-    print(f"{'batch':>5} {'ours tok/s':>11} {'HF tok/s':>9} {'ratio':>6} {'same tokens':>12}")
+    names = list(benches)
+    header = " ".join(f"{name + ' tok/s':>16}" for name in names)
+    print(f"{'batch':>5} {header} {'HF tok/s':>9} {'ratio (median)':>15} {'same tokens':>12}")
     for batch in batches:
         prompts = all_prompts[:batch]
-        ours_best = hf_best = float("inf")
-        # NOTE: alternate and keep the best of each: on a shared machine a single run
-        # measures the neighbours as much as the code
+        seconds: dict[str, list[float]] = {name: [] for name in [*names, "hf"]}
+        outputs: dict[str, list[list[int]]] = {}
         for _ in range(args.repeats):
-            t = time.perf_counter()
-            ours = bench.generate(prompts, args.new_tokens)
-            ours_best = min(ours_best, time.perf_counter() - t)
+            for name, bench in benches.items():
+                t = time.perf_counter()
+                outputs[name] = bench.generate(prompts, args.new_tokens)
+                seconds[name].append(time.perf_counter() - t)
             t = time.perf_counter()
             ref = hf_generate(hf, prompts, args.new_tokens)
-            hf_best = min(hf_best, time.perf_counter() - t)
-        ours_tps = batch * args.new_tokens / ours_best
-        hf_tps = batch * args.new_tokens / hf_best
-        same = sum(a == b for a, b in zip(ours, ref))
-        print(f"{batch:>5} {ours_tps:>11.1f} {hf_tps:>9.1f} {ours_tps / hf_tps:>5.2f}x "
+            seconds["hf"].append(time.perf_counter() - t)
+        tps = {name: batch * args.new_tokens / median(v) for name, v in seconds.items()}
+        same = sum(a == b for a, b in zip(outputs[names[0]], ref))
+        cols = " ".join(f"{tps[name]:>16.1f}" for name in names)
+        print(f"{batch:>5} {cols} {tps['hf']:>9.1f} {tps[names[0]] / tps['hf']:>14.2f}x "
               f"{same:>6}/{batch}", flush=True)
     if tmp is not None:
         tmp.cleanup()

@@ -107,6 +107,8 @@ class Settings(BaseSettings):
     request_timeout_seconds: float = Field(600.0, gt=0)
     # engine defaults of a device-group worker
     device: str = Field("cpu", min_length=1)
+    # "auto": bf16 on a CPU with native bf16, fp32 on other CPUs, the checkpoint's dtype on
+    # an accelerator (workers/engine/loader.py `auto_dtype`)
     dtype: str = Field("auto", min_length=1)
     block_size: int = Field(16, ge=1)
     kv_cache_bytes: int = Field(512 * 1024 * 1024, ge=1)

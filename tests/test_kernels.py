@@ -277,3 +277,51 @@ def test_tensor_parallel_shards_recombine_to_the_full_layer():
     assert torch.equal(emb.weight, table[5:])
     with pytest.raises(ValueError, match="expected shape"):
         emb.weight.weight_loader(emb.weight, torch.randn(12, 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_prepacked_linear_equals_torch_linear(dtype, bias):
+    from kernels import linear as dense
+
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 64, generator=gen).to(dtype)
+    b = torch.randn(96, generator=gen).to(dtype) if bias else None
+    assert dense.can_prepack(weight)
+    packed = dense.prepack(weight)
+    assert packed.is_mkldnn and not dense.can_prepack(packed)
+    # fp32: oneDNN sums in another order; bf16: the same kernel torch calls
+    tol = 1e-5 if dtype == torch.float32 else 0.0
+    # every batch size runs on one packing (the hint is 16): decode rows, prefills, 3-d
+    for shape in [(1, 64), (3, 64), (16, 64), (300, 64), (2, 5, 64)]:
+        x = torch.randn(*shape, generator=gen).to(dtype)
+        with torch.inference_mode():
+            ours, ref = dense.linear(x, packed, b), F.linear(x, weight, b)
+        assert ours.dtype == dtype and ours.shape == ref.shape
+        scale = ref.float().abs().max().item()
+        assert (ours.float() - ref.float()).abs().max().item() <= tol * scale
+    assert not dense.can_prepack(weight.half())  # no fast fp16 path on CPU: reference
+
+
+def test_prepack_linears_swaps_weights_in_place_once(tiny_qwen3_tied_dir):
+    from workers.engine.loader import load_checkpoint
+    from workers.engine.models.layers import prepack_linears
+
+    loaded = load_checkpoint(tiny_qwen3_tied_dir, dtype="bfloat16")
+    model = loaded.model
+    ids = torch.tensor([5, 6, 7])
+    with torch.inference_mode():
+        hidden = model.model.embed_tokens(ids)
+        before = model.compute_logits(hidden)
+        num_params = sum(p.numel() for p in model.parameters())
+        linears = [m for m in model.modules() if hasattr(m, "prepack")]
+        assert prepack_linears(model) == len(linears)
+        assert prepack_linears(model) == 0  # a second call changes nothing
+        # the tied embedding stays a plain parameter, read by lookups
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        assert not model.model.embed_tokens.weight.is_mkldnn
+        assert torch.equal(model.model.embed_tokens(ids), hidden)
+        assert torch.equal(model.compute_logits(hidden), before)
+        # the plain projection weights are gone, not kept beside their packed copies
+        packed = sum(b.numel() for b in model.buffers() if b.is_mkldnn)
+        assert packed and sum(p.numel() for p in model.parameters()) == num_params - packed

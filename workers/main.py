@@ -64,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tp-timeout", type=float, default=120.0,
                         help="seconds a TP collective or rank may stall before the group "
                              "is declared failed")
-    parser.add_argument("--dtype")
+    parser.add_argument("--dtype", help="weights and KV dtype: auto (default: bfloat16 on a CPU "
+                        "with native bf16, else float32; the checkpoint's on an accelerator), "
+                        "float32, bfloat16, float16")
     parser.add_argument("--block-size", type=int)
     parser.add_argument("--kv-cache-bytes", type=int)
     parser.add_argument("--max-num-seqs", type=int)

@@ -85,7 +85,9 @@ class LLM:
     ) -> None:
         """`kv_tiers`: ordered KV tier URLs below the device cache (docs/kv-tiers.md), e.g.
         ["redis://127.0.0.1:6379/1?ttl_seconds=3600", "file:///tmp/kv?max_bytes=10000000000"];
-        blocks are keyed under `kv_key_prefix`. Call `close()` to write what is queued."""
+        blocks are keyed under `kv_key_prefix`. Call `close()` to write what is queued.
+        `dtype="auto"`: LLMQ_DTYPE if set, else bf16 on a CPU with native bf16, fp32 on other
+        CPUs, the checkpoint's dtype on an accelerator."""
         if tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: use 1 or more")
         config = EngineConfig(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from kernels.cpu import has_native_bf16
 from workers.engine.device import resolve_device
 from workers.engine.fingerprint import fingerprint_files
 from workers.engine.models.config import ModelConfig
@@ -26,6 +28,10 @@ from workers.engine.models.registry import MODEL_REGISTRY, resolve_architecture
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# NOTE: the process-wide meaning of dtype="auto" when set to a dtype: the worker's settings
+# read the same variable, so one export (the test suite pins float32) covers the served
+# engine, the offline `LLM` and a bare `load_checkpoint`
+DTYPE_ENV = "LLMQ_DTYPE"
 
 
 @dataclass(slots=True)
@@ -48,7 +54,7 @@ class CheckpointError(ValueError):
 def load_checkpoint(model_dir: str | Path, dtype: str = "auto",
                     device: str | torch.device = "cpu", *, tp_size: int = 1, tp_rank: int = 0,
                     with_tokenizer: bool = True) -> LoadedCheckpoint:
-    """Load `model_dir` with weights in `dtype` ("auto" = the checkpoint's) on `device`.
+    """Load `model_dir` with weights in `dtype` on `device` ("auto": see `auto_dtype`).
 
     With `tp_size > 1` the model holds only shard `tp_rank` of each split layer (the
     weight loaders cut every checkpoint tensor down to it). A TP rank that is not the
@@ -57,7 +63,7 @@ def load_checkpoint(model_dir: str | Path, dtype: str = "auto",
     root = Path(model_dir)
     hf = _read_config(root)
     arch = _resolve(root, hf)
-    torch_dtype = _resolve_dtype(hf, dtype)
+    torch_dtype = _resolve_dtype(hf, dtype, resolve_device(device).type)
     config = ModelConfig.from_hf(hf, arch, torch_dtype)
     files = _weight_files(root)
 
@@ -105,11 +111,27 @@ def _resolve(root: Path, hf: dict[str, Any]) -> str:
         raise CheckpointError(f"{root / 'config.json'}: {exc}") from exc
 
 
-def _resolve_dtype(hf: dict[str, Any], dtype: str) -> torch.dtype:
+def auto_dtype(checkpoint_dtype: str, device_type: str, env: str | None = None,
+               native_bf16: bool | None = None) -> str:
+    """What dtype="auto" loads: `env` (LLMQ_DTYPE) when it names a dtype; on CPU bfloat16
+    where the CPU does bf16 in hardware (half the weight bytes per step, and its bf16
+    GEMMs beat fp32 ones there) and float32 elsewhere (emulated bf16 is slower and fp16
+    has no fast CPU path); on an accelerator the checkpoint's dtype."""
+    if env and env != "auto":
+        return env
+    if device_type == "cpu":
+        native = has_native_bf16() if native_bf16 is None else native_bf16
+        return "bfloat16" if native else "float32"
+    return checkpoint_dtype
+
+
+def _resolve_dtype(hf: dict[str, Any], dtype: str, device_type: str) -> torch.dtype:
     if dtype == "auto":
-        dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
+        stored = str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
+        dtype = auto_dtype(stored, device_type, os.environ.get(DTYPE_ENV))
     if dtype not in DTYPES:
-        raise CheckpointError(f"dtype {dtype!r} is not supported; use auto or {', '.join(DTYPES)}")
+        raise CheckpointError(f"dtype {dtype!r} is not supported; use auto or {', '.join(DTYPES)}"
+                              f" (from dtype=... or {DTYPE_ENV})")
     return DTYPES[dtype]
 
 

@@ -14,6 +14,7 @@ import torch
 
 from kernels.attention import build_attention_metadata
 from workers.engine.loader import LoadedCheckpoint
+from workers.engine.models.layers import prepack_linears
 from workers.engine.step_io import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -34,7 +35,11 @@ class ModelRunner:
         kv_cache_bytes: int = 256 << 20,
         max_num_batched_tokens: int = 8192,
         max_num_seqs: int = 256,
+        prepack_weights: bool = True,
     ) -> None:
+        """`prepack_weights`: on CPU, swap each projection's weight for oneDNN's prepacked
+        copy (kernels/linear.py; the plain copy is freed, the model can no longer move);
+        False keeps torch's reference `linear`."""
         self.loaded = loaded
         self.model = loaded.model
         config = loaded.config
@@ -58,6 +63,10 @@ class ModelRunner:
         self.kv_cache = torch.zeros((num_blocks, *self._block_shape), dtype=self.dtype,
                                     device=self.device)
         self._sample: Callable | None = None
+        if prepack_weights and self.device.type == "cpu":
+            num_packed = prepack_linears(self.model)
+            logger.info("linear layers on %s: %d weights prepacked for oneDNN (%s)",
+                        self.device, num_packed, self.dtype)
         from kernels import dispatch
 
         dispatch.log_choices(self.device.type)

@@ -15,6 +15,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import linear as dense
+
 
 class ShapeMismatch(ValueError):
     """A checkpoint tensor does not have the shape the layer expects."""
@@ -61,8 +63,18 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         raise NotImplementedError
 
+    def prepack(self) -> bool:
+        """Swap the loaded weight for its prepacked copy (CPU; kernels/linear.py); True if
+        it did. The layer can compute afterwards, not load weights or move."""
+        if not dense.can_prepack(self.weight):
+            return False
+        packed = dense.prepack(self.weight)
+        del self.weight  # the plain copy is freed: the packed one replaces it
+        self.register_buffer("weight", packed, persistent=False)
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return dense.linear(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -144,7 +156,7 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = dense.linear(x, self.weight)
         if self.tp_size > 1:
             dist.all_reduce(y)  # TP: sum the partial products of every rank
         if self.bias is not None:
@@ -186,10 +198,33 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection to the vocabulary; each rank computes its slice of the logits."""
 
+    packed_weight: torch.Tensor | None = None
+
+    def prepack(self) -> bool:
+        """Keep a prepacked copy of the projection beside the weight (CPU); True if it
+        made one.
+
+        NOTE: the weight stays: tied to the input embedding it must stay row-major for
+        lookups. The copy costs vocab x hidden elements and gives the largest single GEMM
+        of a decode step (the logits) the faster kernel (docs/benchmarks.md, CPU speed)."""
+        if self.packed_weight is not None or not dense.can_prepack(self.weight):
+            return False
+        self.packed_weight = dense.prepack(self.weight)
+        return True
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        weight = self.weight if self.packed_weight is None else self.packed_weight
+        logits = dense.linear(hidden, weight)
         if self.tp_size > 1:  # TP: gather the vocabulary slices of every rank
             parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
             dist.all_gather(parts, logits)
             logits = torch.cat(parts, dim=-1)
         return logits
+
+
+def prepack_linears(model: nn.Module) -> int:
+    """Prepack the weight of every linear layer and LM head of `model` that can take the
+    CPU's prepacked path; returns how many did. Call once the weights are loaded and on
+    their device; calling again changes nothing."""
+    return sum(module.prepack() for module in model.modules()
+               if isinstance(module, LinearBase | ParallelLMHead))
