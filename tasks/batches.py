@@ -27,6 +27,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from tasks.db import update_count, utcnow
 from tasks.files import new_file_id, store_file
+from tasks.job_errors import job_failure, refused_request
 from tasks.models import Batch, BatchStatus, Job, JobErrorKind, JobKind, JobStatus
 from tasks.openai_body import completion_object, response_id
 from tasks.protocol import EventType, JobEvent, cancel_channel, cancel_flag_key
@@ -133,13 +134,15 @@ def output_line(job: Job, final: BatchStatus) -> tuple[dict[str, Any], bool]:
         code, message = _ENDED_BY[final]
         line["error"] = {"code": code, "message": message}
         return line, False
-    client_fault = job.error_kind == JobErrorKind.INVALID_REQUEST.value
-    status_code = 400 if client_fault else 500
-    error = {"type": "invalid_request_error" if client_fault else "server_error",
-             "message": job.error or f"job {job.id} ended {job.status}", "param": None,
-             "code": "invalid_value" if client_fault else "job_failed"}
-    line["response"] = {"status_code": status_code, "request_id": str(job.id),
-                        "body": {"error": error}}
+    # NOTE: the direct request's error (kind and wording as its answer reads them): a body
+    # refused at submission never ran, the direct request's 400 has no job in it
+    if job.started_at is None and job.error_kind == JobErrorKind.INVALID_REQUEST.value:
+        failure = refused_request(job.error or "the request was refused")
+    else:
+        failure = job_failure(str(job.id), job.error or f"job {job.id} ended {job.status}",
+                              job.error_kind)
+    line["response"] = {"status_code": failure.status, "request_id": str(job.id),
+                        "body": failure.body()}
     return line, False
 
 

@@ -225,6 +225,7 @@ def test_batch_outputs_equal_direct_requests_and_a_bad_body_fails_its_line(
     bad, tools = errors
     assert bad["custom_id"] == "bad" and bad["response"]["status_code"] == 400
     assert "max_tokens" in bad["response"]["body"]["error"]["message"]
+    assert bad["response"]["body"]["error"]["param"] == "max_tokens"  # as the direct 400
     assert tools["custom_id"] == "tools" and tools["response"]["status_code"] == 400
     assert "tools is not supported in a batch" in tools["response"]["body"]["error"]["message"]
     # finished once: a second finalize (another web process, beat) changes nothing

@@ -8,7 +8,6 @@ HTML error page. Outages of Postgres or Redis are 503s that say which one is dow
 from __future__ import annotations
 
 import logging
-import re
 
 import kombu.exceptions
 import redis
@@ -16,7 +15,7 @@ import sqlalchemy.exc
 from flask import Flask, Response, jsonify
 from werkzeug.exceptions import HTTPException
 
-from tasks.models import JobErrorKind
+from tasks.job_errors import job_failure
 
 logger = logging.getLogger(__name__)
 
@@ -67,39 +66,12 @@ def redis_unavailable() -> APIError:
                     "(operators: check LLMQ_REDIS_URL and that Redis is up)")
 
 
-# A failed job's row says whose fault it was (`jobs.error_kind`, tasks.models.JobErrorKind):
-# the request itself (the engine's `add_request` guards, the worker's parameter check)
-# answers 400, anything else (a step that raised, a lost worker) 500. The param and code
-# of a 400 are read from the worker's wording; rows from before the kind was stored (NULL)
-# are judged by the wording alone.
-_PARAM_FAILURE = re.compile(  # tasks.params.InvalidParamError, maybe behind the prefix
-    r"^(?:invalid job parameters: )?(?P<param>[a-z_]+)(?:\[\d+\])? must be ")
-_CONTEXT_FAILURES = (
-    re.compile(r"> max_model_len \d+; shorten the prompt or lower max_tokens"),
-    re.compile(r"KV blocks .* lower max_tokens"),
-)
-_REQUEST_FAILURES = (re.compile(r"^invalid job parameters: "), re.compile(r"^prompt is empty"),
-                     # the grammar backend refused the request's constraint
-                     re.compile(r"^structured_outputs\.[a-z_]+ is not usable: "))
-
-
 def failed_job_error(job_id: str, error: str | None, kind: str | None = None) -> APIError:
-    """The answer to a request whose job failed: a 400 naming the field when the request
-    caused it (`kind` invalid_request: the worker rejected it before it ran), else a 500
-    `job_failed`. `kind` None (an old row, or a stream's error event): the wording decides."""
-    message = f"job {job_id} failed: {error or 'unknown error'}"
-    if kind == JobErrorKind.SERVER_ERROR.value:
-        return APIError(500, "job_failed", message, type="server_error")
-    text = error or ""
-    match = _PARAM_FAILURE.match(text)
-    if match is not None:
-        return APIError(400, "invalid_value", message, match["param"])
-    if any(pattern.search(text) for pattern in _CONTEXT_FAILURES):
-        return APIError(400, "context_length_exceeded", message, "max_tokens")
-    if kind == JobErrorKind.INVALID_REQUEST.value or any(
-            pattern.search(text) for pattern in _REQUEST_FAILURES):
-        return APIError(400, "invalid_value", message)
-    return APIError(500, "job_failed", message, type="server_error")
+    """The answer to a request whose job failed (`tasks.job_errors.job_failure`): a 400
+    naming the field when the request caused it, else a 500 `job_failed`."""
+    failure = job_failure(job_id, error, kind)
+    return APIError(failure.status, failure.code, failure.message, failure.param,
+                    type=failure.type)
 
 
 _HTTP_CODES = {400: "bad_request", 404: "not_found", 405: "method_not_allowed",
