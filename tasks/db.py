@@ -93,6 +93,24 @@ def update_count(session: Session, statement: Any) -> int:
     return int(result.rowcount)
 
 
+def keyset_order(created: Any, row_id: Any, *, descending: bool = True) -> tuple[Any, Any]:
+    """ORDER BY of a keyset-paged listing: (created, id), newest first by default; the id
+    breaks ties between rows created in the same microsecond."""
+    if descending:
+        return created.desc(), row_id.desc()
+    return created.asc(), row_id.asc()
+
+
+def keyset_after(created: Any, row_id: Any, cursor: Any, *,
+                 descending: bool = True) -> sqlalchemy.ColumnElement[bool]:
+    """The rows after `cursor` (a row with `created_at` and `id`) in `keyset_order`."""
+    if descending:
+        return sqlalchemy.or_(created < cursor.created_at,
+                              (created == cursor.created_at) & (row_id < cursor.id))
+    return sqlalchemy.or_(created > cursor.created_at,
+                          (created == cursor.created_at) & (row_id > cursor.id))
+
+
 def make_sessionmaker(engine: sqlalchemy.Engine) -> sessionmaker[Session]:
     """Sessions that keep loaded attributes after commit (rows are read after the block)."""
     return sessionmaker(bind=engine, expire_on_commit=False)

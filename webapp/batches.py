@@ -22,7 +22,7 @@ from typing import Any
 
 from flask import Blueprint, Response, jsonify
 from pydantic import ValidationError
-from sqlalchemy import or_, select, update
+from sqlalchemy import select, update
 
 from tasks.api.batches import (
     BATCH_PRIORITY,
@@ -40,7 +40,7 @@ from tasks.batches import (
     request_counts,
     window_passed,
 )
-from tasks.db import update_count, utcnow
+from tasks.db import keyset_after, keyset_order, update_count, utcnow
 from tasks.files import read_file_bytes
 from tasks.models import Batch, BatchStatus, Job, JobErrorKind, JobKind, JobStatus
 from tasks.schema import pin_seed
@@ -128,7 +128,7 @@ def list_batches() -> Response:
     svc = services()
     api_key_id = current_api_key_id()
     query = parse_query(BatchListQuery)
-    statement = select(Batch).order_by(Batch.created_at.desc(), Batch.id.desc()).limit(
+    statement = select(Batch).order_by(*keyset_order(Batch.created_at, Batch.id)).limit(
         query.limit + 1)
     if svc.settings.auth_enabled:
         statement = statement.where(Batch.api_key_id == api_key_id)
@@ -138,9 +138,7 @@ def list_batches() -> Response:
             if cursor is None:
                 raise APIError(400, "invalid_cursor", "after must be the id of a batch from "
                                "a previous page of this listing", "after")
-            statement = statement.where(or_(
-                Batch.created_at < cursor.created_at,
-                (Batch.created_at == cursor.created_at) & (Batch.id < cursor.id)))
+            statement = statement.where(keyset_after(Batch.created_at, Batch.id, cursor))
         rows = list(session.scalars(statement))
         data = [batch_to_dict(session, row) for row in rows]
     return jsonify(page(data, query.limit))

@@ -22,10 +22,11 @@ from datetime import datetime
 from typing import Any
 
 from redis import Redis
-from sqlalchemy import Select, func, or_, select
+from sqlalchemy import Select, func, select
 from sqlalchemy.orm import Session
 
 from tasks.broker_queue import queue_keys
+from tasks.db import keyset_after, keyset_order
 from tasks.metrics import JOB_STATUS_FIELD, metrics_key
 from tasks.models import ApiKey, Job, JobStatus
 from tasks.protocol import group_alive_key, groups_key
@@ -73,7 +74,7 @@ def list_jobs(session: Session, flt: JobFilter) -> JobPage:
     # NOTE: the page is chosen on (created_at, id) alone and its rows fetched after: a
     # sort over every matching row then carries two narrow columns, not the row preview.
     chosen: Select[Any] = (select(Job.id, Job.created_at)
-                           .order_by(Job.created_at.desc(), Job.id.desc())
+                           .order_by(*keyset_order(Job.created_at, Job.id))
                            .limit(flt.limit + 1))
     chosen = _scoped(chosen, flt.owner, flt.auth_enabled)
     if flt.statuses:
@@ -93,10 +94,7 @@ def list_jobs(session: Session, flt: JobFilter) -> JobPage:
             Job.id == flt.after), flt.owner, flt.auth_enabled)).first()
         if cursor is None:
             return JobPage([], False, cursor_found=False)
-        chosen = chosen.where(or_(
-            Job.created_at < cursor.created_at,
-            (Job.created_at == cursor.created_at) & (Job.id < cursor.id),
-        ))
+        chosen = chosen.where(keyset_after(Job.created_at, Job.id, cursor))
     page = chosen.subquery()
     statement = (
         select(Job.id, Job.model, Job.kind, Job.status, Job.priority, Job.attempts, Job.worker,

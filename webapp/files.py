@@ -10,9 +10,10 @@ import uuid
 from typing import Any, TypeVar
 
 from flask import Blueprint, Response, jsonify, request
-from sqlalchemy import or_, select
+from sqlalchemy import select
 
 from tasks.api.files import FileListQuery
+from tasks.db import keyset_after, keyset_order
 from tasks.files import delete_file, iter_file_bytes, store_file
 from tasks.models import Batch, BatchStatus, File
 from webapp.auth import current_api_key_id
@@ -71,9 +72,8 @@ def list_files() -> Response:
     api_key_id = current_api_key_id()
     query = parse_query(FileListQuery)
     newest_first = query.order == "desc"
-    order = (File.created_at.desc(), File.id.desc()) if newest_first else (
-        File.created_at.asc(), File.id.asc())
-    statement = select(File).order_by(*order).limit(query.limit + 1)
+    statement = select(File).order_by(*keyset_order(
+        File.created_at, File.id, descending=newest_first)).limit(query.limit + 1)
     if svc.settings.auth_enabled:
         statement = statement.where(File.api_key_id == api_key_id)
     if query.purpose:
@@ -84,14 +84,8 @@ def list_files() -> Response:
             if cursor is None:
                 raise APIError(400, "invalid_cursor", "after must be the id of a file from a "
                                "previous page of this listing", "after")
-            if newest_first:
-                statement = statement.where(or_(
-                    File.created_at < cursor.created_at,
-                    (File.created_at == cursor.created_at) & (File.id < cursor.id)))
-            else:
-                statement = statement.where(or_(
-                    File.created_at > cursor.created_at,
-                    (File.created_at == cursor.created_at) & (File.id > cursor.id)))
+            statement = statement.where(keyset_after(File.created_at, File.id, cursor,
+                                                     descending=newest_first))
         rows = list(session.scalars(statement))
     return jsonify(page([file_to_dict(row) for row in rows], query.limit))
 

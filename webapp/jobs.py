@@ -10,12 +10,12 @@ import redis
 import sqlalchemy.exc
 from flask import Blueprint, Response, jsonify, request
 from pydantic import ValidationError
-from sqlalchemy import delete, func, or_, select, update
+from sqlalchemy import delete, func, select, update
 
 from tasks.api.fields import StructuredOutputsRequest
 from tasks.api.jobs import JOB_STATUSES, JobListQuery
 from tasks.celery_app import send_generate
-from tasks.db import update_count, utcnow
+from tasks.db import keyset_after, keyset_order, update_count, utcnow
 from tasks.metrics import record_queued_cancel
 from tasks.models import Job, JobStatus
 from tasks.protocol import EventType, JobEvent, cancel_channel, cancel_flag_key
@@ -121,7 +121,7 @@ def list_jobs() -> Response:
     svc = services()
     api_key_id = current_api_key_id()
     query = parse_query(JobListQuery)
-    statement = select(Job).order_by(Job.created_at.desc(), Job.id.desc()).limit(
+    statement = select(Job).order_by(*keyset_order(Job.created_at, Job.id)).limit(
         query.limit + 1)
     if svc.settings.auth_enabled:
         statement = statement.where(Job.api_key_id == api_key_id)
@@ -146,10 +146,7 @@ def list_jobs() -> Response:
             if cursor is None:
                 raise APIError(400, "invalid_cursor", "after must be the id of a job from a "
                                "previous page of this listing", "after")
-            statement = statement.where(or_(
-                Job.created_at < cursor.created_at,
-                (Job.created_at == cursor.created_at) & (Job.id < cursor.id),
-            ))
+            statement = statement.where(keyset_after(Job.created_at, Job.id, cursor))
         jobs = list(session.scalars(statement))
     has_more = len(jobs) > query.limit
     jobs = jobs[:query.limit]
