@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from tasks.api.errors import SchemaError
 from tasks.api.fields import MAX_MESSAGES, PRIORITY_RANGE, SamplingFields
@@ -62,15 +62,23 @@ class JobRequest:
             raise SchemaError.from_invalid_param(exc) from None
 
 
-def parse_job_request(body: Any, *, max_n: int) -> JobRequest:
-    """Validate a decoded JSON body of `POST /v1/jobs`; raises SchemaError on the first
-    problem found."""
+BodyModel = TypeVar("BodyModel", bound=BaseModel)
+
+
+def validate_body(model: type[BodyModel], body: Any) -> BodyModel:
+    """A decoded JSON request body as `model`; raises SchemaError naming the field."""
     if not isinstance(body, dict):
         raise SchemaError("the request body must be a JSON object")
     try:
-        request = JobCreateRequest.model_validate(body)
+        return model.model_validate(body)
     except ValidationError as exc:
-        raise SchemaError.from_validation(exc, JobCreateRequest) from None
+        raise SchemaError.from_validation(exc, model) from None
+
+
+def parse_job_request(body: Any, *, max_n: int) -> JobRequest:
+    """Validate a decoded JSON body of `POST /v1/jobs`; raises SchemaError on the first
+    problem found."""
+    request = validate_body(JobCreateRequest, body)
     if (request.prompt is None) == (request.messages is None):
         raise SchemaError("give exactly one of prompt (completion) or messages (chat)",
                           "prompt" if request.prompt is not None else "messages")

@@ -24,8 +24,6 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import ValidationError
-
 from tasks.api.openai import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     ChatCompletionRequest,
@@ -34,7 +32,7 @@ from tasks.api.openai import (
     ResponseFormatJsonSchema,
 )
 from tasks.models import JobKind
-from tasks.schema import JobRequest, SchemaError, build_job_request
+from tasks.schema import JobRequest, SchemaError, build_job_request, validate_body
 from tasks.structured import InvalidStructuredOutputsError, StructuredOutputs
 from webapp.tool_calls import ToolMode, ToolPlan
 
@@ -60,13 +58,7 @@ class OpenAIRequest:
 
 def parse_openai_request(body: Any, kind: JobKind, *, max_n: int) -> OpenAIRequest:
     """Validate an OpenAI body; raises SchemaError naming the field."""
-    if not isinstance(body, dict):
-        raise SchemaError("the request body must be a JSON object")
-    model = REQUEST_MODELS[kind]
-    try:
-        request = model.model_validate(body)
-    except ValidationError as exc:
-        raise SchemaError.from_validation(exc, model) from None
+    request = validate_body(REQUEST_MODELS[kind], body)
     _reject_unsupported(request)
     if request.stream_options is not None and not request.stream:
         raise SchemaError("stream_options is only allowed with stream: true", "stream_options")

@@ -17,11 +17,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import ValidationError
-
 from tasks.api.responses import ResponseCreateRequest
 from tasks.models import Job, JobErrorKind, JobStatus, StoredResponse
-from tasks.schema import SchemaError
+from tasks.schema import SchemaError, validate_body
 
 _TEXT_PARTS = {"user": ("input_text",), "system": ("input_text",),
                "developer": ("input_text",), "assistant": ("output_text", "input_text")}
@@ -40,12 +38,7 @@ def message_id(job: Job) -> str:
 
 def parse_response_request(body: Any) -> ResponseCreateRequest:
     """Validate a `POST /v1/responses` body; raises SchemaError naming the field."""
-    if not isinstance(body, dict):
-        raise SchemaError("the request body must be a JSON object")
-    try:
-        request = ResponseCreateRequest.model_validate(body)
-    except ValidationError as exc:
-        raise SchemaError.from_validation(exc, ResponseCreateRequest) from None
+    request = validate_body(ResponseCreateRequest, body)
     if request.tools:
         raise SchemaError("tools (function calling, built-in tools) are not supported; send "
                           "text input only", "tools")

@@ -8,10 +8,11 @@ import importlib.metadata
 from typing import Any
 
 from flask import Blueprint, Response, jsonify
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from tasks.api.errors import SchemaError
 from tasks.api.tokens import DetokenizeRequest, TokenizeRequest
+from tasks.schema import validate_body
 from webapp.auth import current_api_key_id
 from webapp.errors import APIError
 from webapp.groups import context_len
@@ -74,14 +75,10 @@ def package_version() -> str:
 
 
 def _parse(model: type[BaseModel]) -> Any:
-    body = json_body()
-    if not isinstance(body, dict):
-        raise APIError(400, "invalid_value", "the request body must be a JSON object")
     try:
-        return model.model_validate(body)
-    except ValidationError as exc:
-        error = SchemaError.from_validation(exc, model)
-        raise APIError(400, "invalid_value", error.message, error.param) from None
+        return validate_body(model, json_body())
+    except SchemaError as exc:
+        raise APIError(400, "invalid_value", exc.message, exc.param) from None
 
 
 def _flat_message(message: Any) -> dict[str, str]:
