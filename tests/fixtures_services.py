@@ -328,3 +328,18 @@ def start_web() -> Iterator[Callable[[Settings], str]]:
         thread.join(10)
         server.server_close()
         app.extensions["llmq"].close()  # pooled Postgres and Redis connections
+
+
+@pytest.fixture
+def base_url(start_web, service_settings: Settings) -> str:
+    """A web server on `service_settings` (a test module may define its own)."""
+    return start_web(service_settings)
+
+
+@pytest.fixture
+def client(base_url: str):  # -> openai.OpenAI
+    """The official OpenAI client on `base_url`: no retries, so a failure shows at once."""
+    import openai
+
+    return openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0,
+                         timeout=120)

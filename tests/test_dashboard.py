@@ -48,10 +48,6 @@ def worker(service_settings, redis_client, tmp_path_factory):
         yield process
 
 
-@pytest.fixture
-def base_url(start_web, service_settings) -> str:
-    return start_web(service_settings)
-
 
 @pytest.fixture
 def tab(browser, base_url) -> Iterator[Tab]:

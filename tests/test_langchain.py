@@ -15,7 +15,6 @@ import tests.test_openai_api as openai_api_tests
 pytestmark = pytest.mark.integration
 
 worker = openai_api_tests.worker
-base_url = openai_api_tests.base_url
 
 
 class Person(BaseModel):

@@ -37,15 +37,6 @@ def offline(service_settings):
     return LLM(service_settings.models["tiny"], max_num_seqs=8, kv_cache_bytes=16 * 1024 * 1024)
 
 
-@pytest.fixture
-def base_url(start_web, service_settings):
-    return start_web(service_settings)
-
-
-@pytest.fixture
-def client(base_url):
-    return openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0,
-                         timeout=120)
 
 
 def _chat_prompt_ids(offline, messages) -> list[int]:

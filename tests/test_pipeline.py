@@ -32,10 +32,6 @@ WORKER_ARGS = ["--max-num-seqs", "8", "--kv-cache-bytes", str(16 * 1024 * 1024),
 LONG = {"max_tokens": 600, "ignore_eos": True, "temperature": 0.0}
 
 
-@pytest.fixture
-def base_url(start_web, service_settings):
-    return start_web(service_settings)
-
 
 @pytest.fixture(scope="module")
 def group_a(service_settings, redis_client, tmp_path_factory):

@@ -56,10 +56,6 @@ def solo_texts(service_settings):
     return texts
 
 
-@pytest.fixture
-def base_url(start_web, service_settings):
-    return start_web(service_settings)
-
 
 def _submit(base_url: str, body: dict[str, Any]) -> str:
     response = requests.post(f"{base_url}/v1/jobs", json={"model": "tiny", **body}, timeout=30)

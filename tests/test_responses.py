@@ -96,15 +96,6 @@ def worker(service_settings, redis_client, tmp_path_factory):
         yield process
 
 
-@pytest.fixture
-def base_url(start_web, service_settings):
-    return start_web(service_settings)
-
-
-@pytest.fixture
-def client(base_url):
-    return openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0,
-                         timeout=120)
 
 
 def _poll(client, response_id: str, timeout: float = 90.0):

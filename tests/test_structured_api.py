@@ -49,10 +49,8 @@ TOOLS = [
 PARAMS_OF = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
 
 
-# the OpenAI tests' fixtures: a worker (module-scoped: one per module), web server, client
+# the OpenAI tests' worker (module-scoped: one per module); base_url and client are shared
 worker = openai_api_tests.worker
-base_url = openai_api_tests.base_url
-client = openai_api_tests.client
 
 
 def _check_calls(message, finish_reason: str, expect_name: str | None = None) -> list:

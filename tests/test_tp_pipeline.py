@@ -31,10 +31,6 @@ TP_ARGS = ["--devices", "0,1", "--tp", "2", "--max-num-seqs", "8",
            "--tp-timeout", "30"]
 
 
-@pytest.fixture
-def base_url(start_web, service_settings):
-    return start_web(service_settings)
-
 
 @pytest.fixture
 def tp_group(service_settings, redis_client, tmp_path_factory):
