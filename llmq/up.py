@@ -213,7 +213,8 @@ def _print_ready(args: argparse.Namespace, env: dict[str, str], model_name: str,
     body = json.dumps({"model": model_name, "prompt": "Once upon a time", "max_tokens": 32})
     lines = [f"llmq is ready at {url} (model {model_name!r})",
              f"  state and logs: {state_dir}",
-             f"  OpenAI API: {url}/v1  jobs API: {url}/v1/jobs  metrics: {url}/metrics"]
+             f"  OpenAI API: {url}/v1  jobs API: {url}/v1/jobs  metrics: {url}/metrics",
+             f"  dashboard: {url}/  API reference: {url}/docs"]
     auth = ""
     if Settings.from_env(env).auth_enabled:
         lines += ["  API keys are required (LLMQ_AUTH_ENABLED=true); create one with:",
