@@ -200,3 +200,67 @@ def test_extreme_valid_params_succeed_inside_a_batch_of_innocents(
 def test_the_worker_survived_every_poison(worker, redis_client):
     assert worker.process.poll() is None and worker.heartbeat(redis_client) is not None
     assert "engine step failed" not in worker.log_tail(10**7)
+
+
+# hostile values for the surfaces added beside the completion fields: structured outputs,
+# tools, request headers, the Responses API and vLLM's token endpoints
+HOSTILE_REQUESTS: list[tuple[str, dict[str, Any], dict[str, str]]] = [
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "allOf": [{"type": "object"}]}}}}, {}),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {
+            "a": {"$ref": "https://example.com/remote.json"}}}}}}, {}),
+    ("/v1/completions", {"structured_outputs": {"regex": "(?<=a)b"}}, {}),
+    ("/v1/completions", {"structured_outputs": {"regex": "(" * 10_000}}, {}),
+    ("/v1/completions", {"structured_outputs": {"choice": ["x"] * 100_000}}, {}),
+    ("/v1/completions", {"guided_json": {"type": "object"}, "guided_regex": "a+"}, {}),
+    ("/v1/completions", {"structured_outputs": {"grammar": "root ::= (" * 5_000}}, {}),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "not": {}}}}]}, {}),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}],
+                              "tool_choice": {"type": "function",
+                                              "function": {"name": "missing"}}}, {}),
+    ("/v1/chat/completions", {"tool_choice": "required"}, {}),
+    ("/v1/completions", {}, {"X-Request-Id": "r" * 10_000}),
+    ("/v1/completions", {}, {"X-Request-Id": "bad\tid"}),
+    ("/v1/completions", {}, {"Idempotency-Key": "k" * 10_000}),
+    ("/v1/responses", {"input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": "http://x/y.png"}]}]}, {}),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 10**30}, {}),
+    ("/v1/responses", {"input": "hi", "store": False, "background": True}, {}),
+    ("/v1/responses", {"input": "hi", "previous_response_id": "resp_" + "0" * 32}, {}),
+    ("/detokenize", {"tokens": [10**30]}, {}),
+    ("/detokenize", {"tokens": [-1]}, {}),
+    ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, {}),
+]
+_BASE_BODIES = {
+    "/v1/completions": {"prompt": "hi", "max_tokens": 4},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+    "/v1/responses": {},
+    "/detokenize": {},
+    "/tokenize": {},
+}
+
+
+def test_hostile_input_to_the_newer_surfaces_leaves_the_batch_alone(
+        worker, base_url, session_factory, solo_texts):
+    """While innocents run: each hostile structured-output, tool, header, Responses or token
+    request is a 400 that stores nothing; a grammar only the worker can refuse fails its
+    job alone (a 400 kind); the innocents keep their solo text."""
+    innocents = _submit_innocents(base_url, 96)
+    wait_for(lambda: any(read_job(session_factory, j).status == JobStatus.RUNNING.value
+                         for j in innocents), 60, "an innocent job to run")
+    before = _count_jobs(session_factory)
+    for path, fields, headers in HOSTILE_REQUESTS:
+        body = {"model": "tiny", **_BASE_BODIES[path], **fields}
+        response = requests.post(f"{base_url}{path}", json=body, headers=headers, timeout=60)
+        assert response.status_code == 400, (path, fields, headers, response.text[:300])
+        assert response.json()["error"]["type"] == "invalid_request_error", response.text
+    assert _count_jobs(session_factory) == before  # nothing stored
+
+    # passes the web's cheap check, refused by the worker's grammar compiler
+    refused = _submit(base_url, {"prompt": "x", "max_tokens": 8,
+                                 "structured_outputs": {"grammar": "root ::= undefined_rule"}})
+    job = wait_terminal(session_factory, refused, timeout=120)
+    assert job.status == JobStatus.FAILED.value and job.error_kind == "invalid_request"
+    _assert_innocents(session_factory, innocents, 96, solo_texts)
