@@ -209,8 +209,10 @@ def test_metrics_match_the_scripted_timings(serve, backend, tmp_path):
     # input tokens are the server's usage.prompt_tokens
     assert result["total_input_tokens"] == sum(stub.prompt_tokens)
     assert sorted(result["input_lens"]) == sorted(stub.prompt_tokens)
-    # timings: TTFT 100 ms, a chunk every 20 ms, so TPOT 20 ms and E2EL 100 + 5 * 20 ms
-    assert result["mean_ttft_ms"] == pytest.approx(100, abs=40)
+    # timings: TTFT 100 ms, a chunk every 20 ms, so TPOT 20 ms and E2EL 100 + 5 * 20 ms.
+    # No request can beat the script; a loaded machine only delays one (the median holds)
+    assert min(result["ttfts"]) >= 0.1
+    assert result["median_ttft_ms"] == pytest.approx(100, abs=40)
     assert result["median_itl_ms"] == pytest.approx(20, abs=10)
     assert result["mean_tpot_ms"] == pytest.approx(20, abs=10)
     assert result["mean_e2el_ms"] == pytest.approx(200, abs=60)
