@@ -129,11 +129,9 @@ def validate_batch(svc: Services, batch_id: str, token: str) -> bool:
         endpoint, api_key_id = batch.endpoint, batch.api_key_id
         exists = session.get(File, batch.input_file_id) is not None
         data = read_file_bytes(session, batch.input_file_id) if exists else b""
-    if not exists:
-        lines, errors = [], [file_problem("invalid_file", "the input file was deleted or "
-                                          "expired before the batch was validated")]
-    else:
-        lines, errors = parse_lines(data, endpoint, svc.settings.max_batch_lines)
+    lines, errors = parse_lines(data, endpoint, svc.settings.max_batch_lines) if exists else (
+        [], [file_problem("invalid_file", "the input file was deleted or expired before the "
+                          "batch was validated")])
     now = utcnow()
     if errors:
         written = commit_validation(svc.session_factory, batch_id, token, {
