@@ -183,3 +183,45 @@ def test_a_missing_input_file_fails_the_batch_with_a_file_error(client, session_
                       and b, 60, "the batch failed")
     assert failed.status == "failed"
     assert [(e.code, e.line) for e in failed.errors.data] == [("invalid_file", None)]
+
+
+def test_a_web_process_killed_while_validating_loses_nothing(service_settings, start_web,
+                                                             session_factory, tmp_path):
+    """The `llmq web` (gunicorn) worker validating a big file is killed with SIGKILL; once
+    its lease lapsed, another web process validates the batch: every line is a job, once."""
+    import os
+    import signal
+
+    from llmq.commands import web_command
+    from tests.fixtures_services import free_port
+    from tests.pipeline_helpers import serving_web, worker_env
+
+    num_lines = 20_000  # seconds of tokenizing: the kill lands mid-validation
+    port = free_port()
+    command = web_command("127.0.0.1", port, workers=1, threads=4, graceful_timeout=1.0)
+    env = worker_env(service_settings, LLMQ_BATCH_VALIDATION_LEASE_SECONDS="2")
+    with serving_web(command, env, tmp_path / "victim.log") as url:
+        victim = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
+                               timeout=120)
+        batch = victim.batches.create(input_file_id=_upload(victim, num_lines),
+                                      endpoint="/v1/completions", completion_window="24h")
+
+        def claimed() -> str | None:
+            with session_factory() as session:
+                return session.get(Batch, batch.id).validator
+
+        token = wait_for(claimed, 30, "the victim claimed the batch")
+        os.kill(int(token.split(":")[1]), signal.SIGKILL)  # the token names its process
+    assert _num_jobs(session_factory, batch.id) == 0  # it died before its commit
+    with session_factory() as session:
+        assert session.get(Batch, batch.id).status == "validating"
+    rescuer = openai.OpenAI(base_url=start_web(service_settings) + "/v1", api_key="unused",
+                            max_retries=0)
+    done = wait_for(lambda: (b := rescuer.batches.retrieve(batch.id)).status != "validating"
+                    and b, 120, "another process validated the batch", interval=0.2)
+    assert done.status == "in_progress" and done.request_counts.total == num_lines
+    assert _num_jobs(session_factory, batch.id) == num_lines
+    with session_factory() as session:
+        row = session.get(Batch, batch.id)
+        assert row.validator != token and row.validation_attempts == 2
+    rescuer.batches.cancel(batch.id)
