@@ -51,6 +51,8 @@ _ENDED_BY = {BatchStatus.CANCELLED: ("batch_cancelled", "the batch was cancelled
              BatchStatus.EXPIRED: ("batch_expired", "this request could not be executed "
                                    "before the completion window expired")}
 SWEEP_BATCH = 200  # batches looked at per sweep
+# the statuses a batch may expire in (`validating` only once no process validates it)
+EXPIRABLE = (BatchStatus.IN_PROGRESS.value, BatchStatus.VALIDATING.value)
 
 
 def new_batch_id() -> str:
@@ -217,16 +219,15 @@ def sweep_batches(session_factory: sessionmaker[Session], redis: Redis,
     """Beat's pass: expire batches past their window (a `validating` one too, once no
     process validates it), finalize those whose jobs all ended (nobody may be polling
     them). Returns how many batches it finished."""
-    expirable = (BatchStatus.IN_PROGRESS.value, BatchStatus.VALIDATING.value)
     with session_factory() as session:
         rows = session.execute(
             select(Batch.id, Batch.status, Batch.expires_at)
-            .where(Batch.status.in_([s.value for s in FINAL_STATUS] + [expirable[1]]))
+            .where(Batch.status.in_({s.value for s in FINAL_STATUS} | set(EXPIRABLE)))
             .order_by(Batch.created_at).limit(SWEEP_BATCH)).all()
     now = utcnow()
     finished = 0
     for batch_id, status, expires_at in rows:
-        if status in expirable and has_passed(expires_at, now):
+        if status in EXPIRABLE and has_passed(expires_at, now):
             expire_batch(session_factory, redis, settings, batch_id)
         finished += finalize_if_done(session_factory, batch_id)
     return finished

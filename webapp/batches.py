@@ -23,6 +23,7 @@ from sqlalchemy import select, update
 from tasks.api.batches import BatchCreateRequest, BatchListQuery
 from tasks.api.errors import SchemaError
 from tasks.batches import (
+    EXPIRABLE,
     FINAL_STATUS,
     cancel_batch_jobs,
     expire_batch,
@@ -88,7 +89,7 @@ def get_batch(batch_id: str) -> Response:
     batch = load_batch(batch_id)
     if batch.status == BatchStatus.VALIDATING.value:
         batch_validator().wake()  # this process validates it if nobody else does
-    expired = batch.status in CANCELLABLE and has_passed(batch.expires_at) and expire_batch(
+    expired = batch.status in EXPIRABLE and has_passed(batch.expires_at) and expire_batch(
         svc.session_factory, svc.redis, svc.settings, batch.id)
     if expired or BatchStatus(batch.status) in FINAL_STATUS:
         finalize_if_done(svc.session_factory, batch.id)

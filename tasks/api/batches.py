@@ -46,7 +46,7 @@ class BatchCreateRequest(RequestModel):
 
 
 class BatchError(BaseModel):
-    code: str  # invalid_json, invalid_request, duplicate_custom_id, too_many_lines, ...
+    code: str  # invalid_json_line, invalid_request, duplicate_custom_id, invalid_file, ...
     message: str
     param: str | None = None
     line: int | None = None  # 1-based line of the input file
