@@ -78,6 +78,7 @@ def test_an_expired_file_is_gone_before_and_after_the_sweep(client, base_url, se
       "expires_after[extra]": "1"}, "expires_after.extra"),
     ({"expires_after": "{not json"}, "expires_after"),
     ({"expires_after": "[3600]"}, "expires_after"),
+    ({"expires_after": "{}"}, "expires_after.anchor"),
 ])
 def test_a_bad_expires_after_is_a_400_naming_the_field(base_url, fields, param):
     answer = requests.post(base_url + "/v1/files", data={"purpose": "batch", **fields},
@@ -88,12 +89,23 @@ def test_a_bad_expires_after_is_a_400_naming_the_field(base_url, fields, param):
 
 
 def test_expires_after_as_one_json_field(base_url):
-    answer = requests.post(base_url + "/v1/files", files={"file": ("x.jsonl", LINE.encode())},
-                           data={"purpose": "batch", "expires_after": json.dumps(
-                               {"anchor": "created_at", "seconds": 7200})}, timeout=30)
-    assert answer.status_code == 200, answer.text
-    body = answer.json()
+    def upload(fields: dict[str, str]) -> dict:
+        answer = requests.post(base_url + "/v1/files", data={"purpose": "batch", **fields},
+                               files={"file": ("x.jsonl", LINE.encode())}, timeout=30)
+        assert answer.status_code == 200, answer.text
+        return answer.json()
+
+    body = upload({"expires_after": json.dumps({"anchor": "created_at", "seconds": 7200})})
     assert body["expires_at"] - body["created_at"] == 7200
+    assert upload({"expires_after": "null"})["expires_at"] is None  # the schema's null
+    # a form field without a name is ignored, not a 500
+    parts = ((b"form-data", b"x"), (b'form-data; name="purpose"', b"batch"),
+             (b'form-data; name="file"; filename="x.jsonl"', LINE.encode()))
+    body = b"".join(b"--b0undary\r\nContent-Disposition: %s\r\n\r\n%s\r\n" % part
+                    for part in parts) + b"--b0undary--\r\n"
+    answer = requests.post(base_url + "/v1/files", data=body, timeout=30, headers={
+        "Content-Type": "multipart/form-data; boundary=b0undary"})
+    assert answer.status_code == 200 and answer.json()["expires_at"] is None, answer.text
 
 
 def test_batch_output_files_expire(client, service_settings, session_factory):

@@ -151,14 +151,17 @@ def _expires_after(form: MultiDict[str, str]) -> ExpiresAfter | None:
     `expires_after[anchor]` and `expires_after[seconds]`; one `expires_after` field
     holding a JSON object is read too. None when the upload has none."""
     prefix = EXPIRES_AFTER + "["
+    # NOTE: werkzeug gives a field whose name is not text the name None
     value: Any = {key[len(prefix):-1]: form[key] for key in form
-                  if key.startswith(prefix) and key.endswith("]")}
+                  if isinstance(key, str) and key.startswith(prefix) and key.endswith("]")}
     if EXPIRES_AFTER in form:
         try:
             value = json.loads(form[EXPIRES_AFTER])
-        except ValueError:
+        except (ValueError, RecursionError):
             raise APIError(400, "invalid_value", "expires_after must be a JSON object "
                            '{"anchor": "created_at", "seconds": N}', EXPIRES_AFTER) from None
+        if value is None:  # the schema's null: no expiry
+            return None
     elif not value:
         return None
     try:
