@@ -52,7 +52,8 @@ def cmd_batch(args: argparse.Namespace) -> int:
 
 
 def batch_submit(api: _Api, args: argparse.Namespace) -> int:
-    """Upload FILE, create the batch, print its id; with --wait, follow it to the end."""
+    """Upload FILE, create the batch, print its id, wait out its validation (a batch
+    with invalid lines fails: they are printed); with --wait, follow it to the end."""
     with open(args.file, "rb") as handle:
         upload = api.call("POST", "/v1/files", data={"purpose": "batch"},
                           files={"file": (args.file.rsplit("/", 1)[-1], handle)}).json()
@@ -60,6 +61,9 @@ def batch_submit(api: _Api, args: argparse.Namespace) -> int:
         "input_file_id": upload["id"], "endpoint": args.endpoint,
         "completion_window": "24h"}).json()
     print(batch["id"])
+    while batch["status"] == "validating":  # the server checks the lines off the request
+        time.sleep(POLL_SECONDS / 4)
+        batch = api.call("GET", f"/v1/batches/{batch['id']}").json()
     if batch["status"] == "failed":
         _print_errors(batch)
         return 1

@@ -1,5 +1,8 @@
 """A batch's life after its jobs are queued: cancel, expiry, and finalization.
 
+(Before, while it is `validating`, a web process holds it under a lease:
+webapp/batch_validation.py. Beat expires one whose window passed with no live validator.)
+
 A batch is finished by whichever process first sees that none of its jobs is queued or
 running (a web process answering a GET, beat's sweep): `finalize_if_done` writes the
 output and error files and the final status in one transaction whose conditional UPDATE
@@ -18,14 +21,14 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from redis import Redis
-from sqlalchemy import func, select, update
+from sqlalchemy import ColumnElement, and_, func, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from tasks.db import update_count, utcnow
+from tasks.db import has_passed, update_count, utcnow
 from tasks.files import new_file_id, store_file
 from tasks.job_errors import job_failure, refused_request
 from tasks.models import Batch, BatchStatus, Job, JobErrorKind, JobKind, JobStatus
@@ -48,6 +51,8 @@ _ENDED_BY = {BatchStatus.CANCELLED: ("batch_cancelled", "the batch was cancelled
              BatchStatus.EXPIRED: ("batch_expired", "this request could not be executed "
                                    "before the completion window expired")}
 SWEEP_BATCH = 200  # batches looked at per sweep
+# the statuses a batch may expire in (`validating` only once no process validates it)
+EXPIRABLE = (BatchStatus.IN_PROGRESS.value, BatchStatus.VALIDATING.value)
 
 
 def new_batch_id() -> str:
@@ -102,12 +107,15 @@ def finalize_if_done(session_factory: sessionmaker[Session], batch_id: str) -> b
             line, ok = output_line(job, final)
             (output if ok else errors).append(json.dumps(line, separators=(",", ":")))
         values: dict[str, Any] = {"num_completed": len(output), "num_failed": len(errors)}
+        keep = batch.output_expires_seconds
+        expires_at = now + timedelta(seconds=keep) if keep is not None else None
         for name, lines in (("output_file_id", output), ("error_file_id", errors)):
             if lines:
                 data = ("\n".join(lines) + "\n").encode()
                 row = store_file(session, api_key_id=batch.api_key_id, purpose="batch_output",
                                  filename=f"{batch_id}_{name.split('_')[0]}.jsonl", data=data,
-                                 num_lines=len(lines), file_id=new_file_id())
+                                 num_lines=len(lines), file_id=new_file_id(),
+                                 expires_at=expires_at)
                 values[name] = row.id
         session.execute(update(Batch).where(Batch.id == batch_id).values(**values))
     logger.info("batch %s %s: %d requests succeeded, %d failed", batch_id, final.value,
@@ -181,15 +189,25 @@ def cancel_batch_jobs(session_factory: sessionmaker[Session], redis: Redis, sett
     return len(cancelled), len(running)
 
 
+def validation_unclaimed(now: datetime) -> ColumnElement[bool]:
+    """The condition of a `validating` batch no live process validates: never claimed,
+    or its validator's lease lapsed."""
+    return and_(Batch.status == BatchStatus.VALIDATING.value,
+                or_(Batch.validation_lease_expires_at.is_(None),
+                    Batch.validation_lease_expires_at < now))
+
+
 def expire_batch(session_factory: sessionmaker[Session], redis: Redis, settings: Settings,
                  batch_id: str) -> bool:
-    """Past its window: `in_progress` -> `finalizing` (it ends `expired`), its unfinished
-    jobs cancelled. Returns whether this call expired it."""
+    """Past its window: `in_progress` (or `validating` with no live validator) ->
+    `finalizing` (it ends `expired`), its unfinished jobs cancelled. Returns whether this
+    call expired it."""
+    now = utcnow()
     with session_factory() as session, session.begin():
         won = update_count(session, update(Batch).where(
-            Batch.id == batch_id, Batch.status == BatchStatus.IN_PROGRESS.value,
-            Batch.expires_at < utcnow()).values(status=BatchStatus.FINALIZING.value,
-                                                finalizing_at=utcnow()))
+            Batch.id == batch_id, Batch.expires_at < now,
+            or_(Batch.status == BatchStatus.IN_PROGRESS.value, validation_unclaimed(now)))
+            .values(status=BatchStatus.FINALIZING.value, finalizing_at=now))
     if won:
         logger.warning("batch %s passed its completion window; expiring it", batch_id)
         cancel_batch_jobs(session_factory, redis, settings, batch_id)
@@ -198,28 +216,21 @@ def expire_batch(session_factory: sessionmaker[Session], redis: Redis, settings:
 
 def sweep_batches(session_factory: sessionmaker[Session], redis: Redis,
                   settings: Settings) -> int:
-    """Beat's pass: expire batches past their window, finalize those whose jobs all ended
-    (nobody may be polling them). Returns how many batches it finished."""
+    """Beat's pass: expire batches past their window (a `validating` one too, once no
+    process validates it), finalize those whose jobs all ended (nobody may be polling
+    them). Returns how many batches it finished."""
     with session_factory() as session:
         rows = session.execute(
             select(Batch.id, Batch.status, Batch.expires_at)
-            .where(Batch.status.in_([s.value for s in FINAL_STATUS]))
+            .where(Batch.status.in_({s.value for s in FINAL_STATUS} | set(EXPIRABLE)))
             .order_by(Batch.created_at).limit(SWEEP_BATCH)).all()
     now = utcnow()
     finished = 0
     for batch_id, status, expires_at in rows:
-        if status == BatchStatus.IN_PROGRESS.value and window_passed(expires_at, now):
+        if status in EXPIRABLE and has_passed(expires_at, now):
             expire_batch(session_factory, redis, settings, batch_id)
         finished += finalize_if_done(session_factory, batch_id)
     return finished
-
-
-def window_passed(expires_at: datetime | None, now: datetime | None = None) -> bool:
-    """Whether a batch's completion window is over (SQLite gives naive UTC times)."""
-    if expires_at is None:
-        return False
-    now = now or utcnow()
-    return expires_at.replace(tzinfo=expires_at.tzinfo or now.tzinfo) < now
 
 
 def _unix(when: datetime | None) -> int:

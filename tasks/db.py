@@ -33,6 +33,15 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+def has_passed(when: datetime | None, now: datetime | None = None) -> bool:
+    """Whether the time `when` (a deadline, an expiry; None: never) is over. SQLite gives
+    naive UTC times back."""
+    if when is None:
+        return False
+    now = now or utcnow()
+    return when.replace(tzinfo=when.tzinfo or now.tzinfo) < now
+
+
 def create_db_engine(url: str, **kwargs: Any) -> sqlalchemy.Engine:
     """An engine for `url` with connection checks on checkout.
 

@@ -1,5 +1,6 @@
 """Periodic maintenance run by beat's worker: lease reclaim, stranded-job resend, stream
-expiry, and the queue timeout (`LLMQ_QUEUE_TIMEOUT_SECONDS`: a job queued too long fails).
+expiry, batch and file expiry, and the queue timeout (`LLMQ_QUEUE_TIMEOUT_SECONDS`: a
+job queued too long fails).
 
 A running job's device group renews `lease_expires_at` every few seconds. A lease that
 passed means the group died (or lost Postgres for longer than the lease): the job goes
@@ -34,6 +35,7 @@ from tasks.batches import sweep_batches
 from tasks.broker_queue import pending_job_ids
 from tasks.celery_app import send_generate
 from tasks.db import create_db_engine, make_sessionmaker, update_count, utcnow
+from tasks.files import delete_expired_files
 from tasks.models import Job, JobErrorKind, JobStatus
 from tasks.protocol import (
     BATCH_SWEEP_TASK,
@@ -316,6 +318,8 @@ def register_maintenance_tasks(app: Celery, settings: Settings) -> None:
 
     @app.task(name=BATCH_SWEEP_TASK, ignore_result=True)
     def sweep_batches_task() -> int:
+        # NOTE: expired files ride on the batch sweep (batch output files expire)
+        delete_expired_files(resources.session_factory)
         return sweep_batches(resources.session_factory, resources.redis, settings)
 
     @app.task(name=EXPIRE_STREAMS_TASK, ignore_result=True)

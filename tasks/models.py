@@ -104,8 +104,11 @@ class File(Base):
     bytes: Mapped[int] = mapped_column(Integer)
     num_lines: Mapped[int] = mapped_column(Integer, default=0)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    # past it the file is gone (a 404 at once; beat deletes its chunks); None: kept
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
-    __table_args__ = (Index("ix_files_key_created", "api_key_id", "created_at"),)
+    __table_args__ = (Index("ix_files_key_created", "api_key_id", "created_at"),
+                      Index("ix_files_expires", "expires_at"))
 
 
 class FileChunk(Base):
@@ -147,6 +150,13 @@ class Batch(Base):
     expired_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     cancelling_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     cancelled_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # how long its output and error files live (None: kept until deleted)
+    output_expires_seconds: Mapped[int | None] = mapped_column(Integer)
+    # the web process validating it (a claim token) until its lease lapses, and how many
+    # claims it has had (webapp/batch_validation.py)
+    validator: Mapped[str | None] = mapped_column(String(64))
+    validation_lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    validation_attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
     __table_args__ = (
         Index("ix_batches_key_created", "api_key_id", "created_at"),

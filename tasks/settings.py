@@ -93,6 +93,12 @@ class Settings(BaseSettings):
     max_file_bytes: int = Field(200 * 1024 * 1024, ge=1024)
     max_batch_lines: int = Field(50_000, ge=1)
     batch_completion_window_seconds: float = Field(24 * 3600.0, gt=0)
+    # a batch's output and error files expire this long after it ends unless its create
+    # asks otherwise (`output_expires_after`; OpenAI's default is 30 days); None: kept
+    batch_output_expires_seconds: int | None = Field(30 * 24 * 3600, ge=1)
+    # a web process validates a batch under a lease it renews; another takes it over once
+    # the lease lapsed (the validating process died)
+    batch_validation_lease_seconds: float = Field(60.0, gt=0)
     drain_grace_seconds: float = Field(30.0, ge=0)
     # circuit breaker of a device group: after this many consecutive failed steps, or a
     # step running longer than step_timeout_seconds (watchdog), the group stops claiming,

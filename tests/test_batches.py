@@ -16,6 +16,7 @@ from sqlalchemy import select
 
 from tasks.batches import finalize_if_done, sweep_batches
 from tasks.models import Batch, Job, JobStatus
+from tests.batch_helpers import store_ended_batch
 from tests.fault_helpers import Beat
 from tests.pipeline_helpers import WorkerProcess, running_worker, wait_for
 
@@ -140,23 +141,9 @@ def test_finalization_is_won_by_exactly_one_process(session_factory):
     """Eight finalizers at once over a batch whose jobs all ended: one writes the files."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from tasks.db import utcnow
     from tasks.models import File
 
-    batch_id = f"batch_race{uuid.uuid4().hex}"
-    now = utcnow()
-    with session_factory.begin() as session:
-        session.add(Batch(id=batch_id, endpoint="/v1/completions", input_file_id="file-x",
-                          completion_window="24h", status="in_progress", num_total=3,
-                          num_completed=0, num_failed=0, created_at=now, in_progress_at=now))
-        session.flush()
-        for i, status in enumerate(("succeeded", "succeeded", "failed")):
-            session.add(Job(model="tiny", kind="completion", prompt="p", params={"n": 1},
-                            status=status, batch_id=batch_id, custom_id=f"r{i}",
-                            batch_index=i, output=[{"index": 0, "text": "t",
-                                                    "finish_reason": "length"}],
-                            error="boom" if status == "failed" else None, prompt_tokens=1,
-                            completion_tokens=1, created_at=now, finished_at=now))
+    batch_id = store_ended_batch(session_factory, ("succeeded", "succeeded", "failed"))
     with ThreadPoolExecutor(8) as pool:
         won = list(pool.map(lambda _: finalize_if_done(session_factory, batch_id), range(8)))
     assert won.count(True) == 1
@@ -179,6 +166,8 @@ def test_batch_outputs_equal_direct_requests_and_a_bad_body_fails_its_line(
     batch = client.batches.create(input_file_id=input_file.id, endpoint="/v1/chat/completions",
                                   completion_window="24h", metadata={"run": "equal"})
     assert batch.object == "batch" and batch.id.startswith("batch_")
+    assert batch.status == "validating" and batch.request_counts.total == 0  # answered at once
+    batch = _wait_status(client, batch.id, ("in_progress", "completed"))
     assert batch.metadata == {"run": "equal"} and batch.request_counts.total == 5
     # each line is a job of the batch, listed like any job
     with session_factory() as session:
@@ -232,6 +221,8 @@ def test_invalid_lines_fail_the_batch_with_their_line_numbers(client):
                                    "url": "/v1/chat/completions", "body": {}}]
     batch = client.batches.create(input_file_id=_upload(client, lines).id,
                                   endpoint="/v1/chat/completions", completion_window="24h")
+    assert batch.status == "validating"  # the lines are read off the request
+    batch = _wait_status(client, batch.id, ("failed", "in_progress"), timeout=60)
     assert batch.status == "failed" and batch.failed_at is not None
     found = {(e.line, e.code) for e in batch.errors.data}
     assert found == {(2, "invalid_json_line"), (3, "mismatched_endpoint"),

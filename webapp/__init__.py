@@ -14,6 +14,7 @@ logger = logging.getLogger(__name__)
 def create_app(settings: Settings | None = None) -> Flask:
     """The API app for `settings` (default: `Settings.from_env()`). Connects to nothing yet."""
     from webapp import (
+        batch_validation,
         batches,
         dashboard,
         errors,
@@ -34,7 +35,9 @@ def create_app(settings: Settings | None = None) -> Flask:
     app = Flask(__name__, static_folder=None)
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.json.sort_keys = False  # type: ignore[attr-defined]  # keep our field order
-    Services.build(settings).init_app(app)
+    svc = Services.build(settings)
+    svc.init_app(app)
+    batch_validation.init_app(app, svc)
     errors.register_error_handlers(app)
     request_id.init_app(app)
     app.register_blueprint(jobs.bp)

@@ -1,22 +1,18 @@
 """OpenAI's Batch API (`/v1/batches`): create, get, list and cancel batches.
 
-Creating a batch validates its input file line by line. A line that is not a request of
-the batch's endpoint (not JSON, no unique `custom_id`, not `POST`, another `url`) fails
-the whole batch at validation, its problems in `errors.data` with their line numbers (as
-OpenAI does). Every other line becomes a job (`jobs.batch_id`, `custom_id`,
-`batch_index`) in the batch band (`tasks.api.batches.BATCH_PRIORITY`): a body the served
-model refuses is a failed job from the start, so it reaches the error file as a failed
-request (status 400) like at OpenAI. Batch lines get no broker message: a device group's
-batch feeder (workers/batch_feeder.py) claims them from the table while it has spare room,
-so they never sit ahead of an interactive request in the broker. The rest of a batch's
-life (cancel, expiry, the output and error files) is `tasks/batches.py`'s.
+Creating a batch checks what is cheap (the body; the input file exists, is the caller's
+and has purpose batch), stores it `validating` and answers at once, as OpenAI does. The
+lines are validated and turned into jobs off the request, by a web process's validator
+thread (webapp/batch_validation.py, the lines themselves in webapp/batch_lines.py); a GET
+of a validating batch wakes it. Batch lines get no broker message: a device group's batch
+feeder (workers/batch_feeder.py) claims them from the table while it has spare room, so
+they never sit ahead of an interactive request in the broker. The rest of a batch's life
+(cancel, expiry, the output and error files) is `tasks/batches.py`'s.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import uuid
 from datetime import timedelta
 from typing import Any
 
@@ -24,46 +20,36 @@ from flask import Blueprint, Response, jsonify
 from pydantic import ValidationError
 from sqlalchemy import select, update
 
-from tasks.api.batches import (
-    BATCH_PRIORITY,
-    BatchCreateRequest,
-    BatchInputLine,
-    BatchListQuery,
-)
+from tasks.api.batches import BatchCreateRequest, BatchListQuery
 from tasks.api.errors import SchemaError
 from tasks.batches import (
+    EXPIRABLE,
     FINAL_STATUS,
     cancel_batch_jobs,
     expire_batch,
     finalize_if_done,
     new_batch_id,
     request_counts,
-    window_passed,
 )
-from tasks.db import keyset_after, keyset_order, update_count, utcnow
-from tasks.files import read_file_bytes
-from tasks.models import Batch, BatchStatus, Job, JobErrorKind, JobKind, JobStatus
-from tasks.schema import pin_seed
+from tasks.db import has_passed, keyset_after, keyset_order, update_count, utcnow
+from tasks.models import Batch, BatchStatus
 from webapp.auth import current_api_key_id
+from webapp.batch_validation import batch_validator
 from webapp.errors import APIError
 from webapp.files import load_owned, page, visible, visible_file
-from webapp.groups import context_len
-from webapp.jobs import json_body, parse_query, served_model, tokenize
-from webapp.openai_format import parse_openai_request
+from webapp.jobs import json_body, parse_query
 from webapp.services import Services, services
 
 logger = logging.getLogger(__name__)
 
 bp = Blueprint("batches", __name__, url_prefix="/v1/batches")
 
-KIND_OF_ENDPOINT = {"/v1/completions": JobKind.COMPLETION,
-                    "/v1/chat/completions": JobKind.CHAT}
-MAX_REPORTED_ERRORS = 1000  # validation errors kept in errors.data
+CANCELLABLE = (BatchStatus.VALIDATING.value, BatchStatus.IN_PROGRESS.value)
 
 
 @bp.post("")
-def create_batch() -> tuple[Response, int] | Response:
-    """Validate the input file; a failed batch, or one job per line (`in_progress`)."""
+def create_batch() -> Response:
+    """Store the batch `validating` (its validator wakes) and answer it."""
     svc = services()
     api_key_id = current_api_key_id()
     body = json_body()
@@ -77,37 +63,23 @@ def create_batch() -> tuple[Response, int] | Response:
         if input_file is None or input_file.purpose != "batch":
             raise APIError(400, "invalid_value", f"input_file_id {req.input_file_id!r} is not "
                            "a file uploaded with purpose batch", "input_file_id")
-        data = read_file_bytes(session, input_file.id)
     now = utcnow()
+    keep = (req.output_expires_after.seconds if req.output_expires_after is not None
+            else svc.settings.batch_output_expires_seconds)
     batch = Batch(id=new_batch_id(), api_key_id=api_key_id, endpoint=req.endpoint,
                   input_file_id=req.input_file_id, completion_window=req.completion_window,
                   status=BatchStatus.VALIDATING.value, metadata_=req.metadata, errors=None,
-                  num_total=0, num_completed=0, num_failed=0, created_at=now)
-    lines, errors = _parse_lines(data, req.endpoint, svc.settings.max_batch_lines)
-    if errors:
-        batch.status = BatchStatus.FAILED.value
-        batch.errors = errors[:MAX_REPORTED_ERRORS]
-        batch.failed_at = utcnow()
-        with svc.session_factory.begin() as session:
-            session.add(batch)
-            answer = batch_to_dict(session, batch)
-        logger.info("batch %s failed validation: %d bad lines", batch.id, len(errors))
-        return jsonify(answer)
-    kind = KIND_OF_ENDPOINT[req.endpoint]
-    batch_id = batch.id
-    jobs = [_line_job(svc, kind, index, line, api_key_id, batch_id, now)
-            for index, line in enumerate(lines)]
-    batch.status = BatchStatus.IN_PROGRESS.value
-    batch.num_total = len(jobs)
-    batch.in_progress_at = now
-    batch.expires_at = now + timedelta(seconds=svc.settings.batch_completion_window_seconds)
+                  num_total=0, num_completed=0, num_failed=0, created_at=now,
+                  expires_at=now + timedelta(
+                      seconds=svc.settings.batch_completion_window_seconds),
+                  output_expires_seconds=keep, validation_attempts=0)
     with svc.session_factory.begin() as session:
         session.add(batch)
-        session.flush()  # the batch before its jobs (their foreign key)
-        session.add_all(jobs)
-    finalize_if_done(svc.session_factory, batch_id)  # every line may have failed already
-    logger.info("batch %s in progress: %d requests to %s", batch_id, len(jobs), req.endpoint)
-    return jsonify(_answer(svc, batch_id))
+        answer = batch_to_dict(session, batch)
+    batch_validator().wake()
+    logger.info("batch %s validating: file %s for %s", answer["id"], req.input_file_id,
+                req.endpoint)
+    return jsonify(answer)
 
 
 @bp.get("/<batch_id>")
@@ -115,9 +87,11 @@ def get_batch(batch_id: str) -> Response:
     """A batch; finished here when its last job has ended (or its window passed)."""
     svc = services()
     batch = load_batch(batch_id)
-    if batch.status == BatchStatus.IN_PROGRESS.value and window_passed(batch.expires_at):
-        expire_batch(svc.session_factory, svc.redis, svc.settings, batch.id)
-    if BatchStatus(batch.status) in FINAL_STATUS:
+    if batch.status == BatchStatus.VALIDATING.value:
+        batch_validator().wake()  # this process validates it if nobody else does
+    expired = batch.status in EXPIRABLE and has_passed(batch.expires_at) and expire_batch(
+        svc.session_factory, svc.redis, svc.settings, batch.id)
+    if expired or BatchStatus(batch.status) in FINAL_STATUS:
         finalize_if_done(svc.session_factory, batch.id)
     return jsonify(_answer(svc, batch.id))
 
@@ -141,13 +115,16 @@ def list_batches() -> Response:
             statement = statement.where(keyset_after(Batch.created_at, Batch.id, cursor))
         rows = list(session.scalars(statement))
         data = [batch_to_dict(session, row) for row in rows]
+    if any(row["status"] == BatchStatus.VALIDATING.value for row in data):
+        batch_validator().wake()
     return jsonify(page(data, query.limit))
 
 
 @bp.post("/<batch_id>/cancel")
 def cancel_batch(batch_id: str) -> Response:
     """Cancel: `cancelling` while its running jobs stop, then `cancelled` with what was
-    done in the output file. Cancelling a cancelled batch answers it again."""
+    done in the output file (a `validating` batch: no line ran, its validation commits
+    nothing). Cancelling a cancelled batch answers it again."""
     svc = services()
     batch = load_batch(batch_id)
     status = BatchStatus(batch.status)
@@ -155,120 +132,15 @@ def cancel_batch(batch_id: str) -> Response:
         return jsonify(_answer(svc, batch.id))
     with svc.session_factory.begin() as session:
         won = update_count(session, update(Batch).where(
-            Batch.id == batch.id, Batch.status == BatchStatus.IN_PROGRESS.value).values(
+            Batch.id == batch.id, Batch.status.in_(CANCELLABLE)).values(
             status=BatchStatus.CANCELLING.value, cancelling_at=utcnow()))
     if not won:
         current = load_batch(batch_id).status
         raise APIError(409, "batch_not_cancellable", f"batch {batch_id} is {current}; only "
-                       "an in_progress batch can be cancelled", "batch_id")
+                       "a validating or in_progress batch can be cancelled", "batch_id")
     cancel_batch_jobs(svc.session_factory, svc.redis, svc.settings, batch.id)
     finalize_if_done(svc.session_factory, batch.id)
     return jsonify(_answer(svc, batch.id))
-
-
-# --- lines -------------------------------------------------------------------------------
-
-
-def _parse_lines(data: bytes, endpoint: str,
-                 max_lines: int) -> tuple[list[BatchInputLine], list[dict[str, Any]]]:
-    """The requests of an input file, or its problems (`{code, message, param, line}`,
-    1-based lines). Blank lines are skipped."""
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        return [], [{"code": "invalid_file", "message": f"the file is not UTF-8 text "
-                     f"(byte {exc.start})", "param": None, "line": None}]
-    lines: list[BatchInputLine] = []
-    errors: list[dict[str, Any]] = []
-    seen: dict[str, int] = {}
-    numbered = [(n, raw) for n, raw in enumerate(text.split("\n"), start=1) if raw.strip()]
-    if not numbered:
-        return [], [{"code": "empty_file", "message": "the input file holds no requests",
-                     "param": None, "line": None}]
-    if len(numbered) > max_lines:
-        return [], [{"code": "too_many_requests", "message": f"the input file holds "
-                     f"{len(numbered)} requests; a batch takes at most {max_lines} "
-                     "(LLMQ_MAX_BATCH_LINES): split it", "param": None, "line": None}]
-    for number, raw in numbered:
-        def problem(code: str, message: str, param: str | None = None,
-                    line_number: int = number) -> None:
-            errors.append({"code": code, "message": message, "param": param,
-                           "line": line_number})
-        try:
-            value = json.loads(raw)
-        except (ValueError, RecursionError):
-            problem("invalid_json_line", "the line is not a JSON object")
-            continue
-        try:
-            line = BatchInputLine.model_validate(value)
-        except ValidationError as exc:
-            error = SchemaError.from_validation(exc, BatchInputLine)
-            problem("invalid_request", error.message, error.param)
-            continue
-        if line.url != endpoint:
-            problem("mismatched_endpoint", f"url {line.url!r} is not the batch's endpoint "
-                    f"{endpoint!r}", "url")
-            continue
-        if line.custom_id in seen:
-            problem("duplicate_custom_id", f"custom_id {line.custom_id!r} is also on line "
-                    f"{seen[line.custom_id]}; every request needs its own", "custom_id")
-            continue
-        seen[line.custom_id] = number
-        lines.append(line)
-    return lines, errors
-
-
-def _line_job(svc: Services, kind: JobKind, index: int, line: BatchInputLine,
-              api_key_id: uuid.UUID | None, batch_id: str, now: Any) -> Job:
-    """The job of one valid line: queued, or failed when the served model refuses its
-    body (the error file then answers it with a 400, as the direct request would)."""
-    job = Job(id=uuid.uuid4(), api_key_id=api_key_id, batch_id=batch_id, custom_id=line.custom_id,
-              batch_index=index, kind=kind.value, priority=BATCH_PRIORITY, attempts=0,
-              created_at=now)
-    try:
-        _fill_job(svc, kind, line.body, job)
-    except APIError as exc:
-        model = line.body.get("model")
-        job.model = model[:200] if isinstance(model, str) else ""
-        job.params = job.params or {}
-        job.status = JobStatus.FAILED.value
-        job.finish_reason = "error"
-        job.error = exc.message
-        job.error_kind = JobErrorKind.INVALID_REQUEST.value
-        job.finished_at = now
-    return job
-
-
-def _fill_job(svc: Services, kind: JobKind, body: dict[str, Any], job: Job) -> None:
-    """The request of a line's body, as `webapp.openai_api` reads a direct one; raises
-    APIError (4xx) for what it refuses."""
-    try:
-        req = parse_openai_request(body, kind, max_n=svc.settings.max_n)
-    except SchemaError as exc:
-        raise APIError(400, "invalid_value", exc.message, exc.param) from None
-    # NOTE: a batch's bodies are built from the job row (tasks/batches.py), which keeps
-    # neither the token logprobs, how the prompt was echoed, nor the request's tool plan:
-    # refused, not ignored.
-    for name, asked in (("stream", req.stream), ("echo", req.echo),
-                        ("logprobs", req.num_logprobs is not None),
-                        ("tools", req.tools is not None)):
-        if asked:
-            raise APIError(400, "invalid_value", f"{name} is not supported in a batch "
-                           "request; send it as a direct request", name)
-    model = served_model(req.job.model)
-    prompt_text, prompt_token_ids = tokenize(model, req.job)
-    if req.fill_max_tokens:
-        req.job.params.max_tokens = max(req.job.params.min_tokens, 1,
-                                        context_len(model) - len(prompt_token_ids))
-    pin_seed(req.job.params)
-    job.model = req.job.model
-    job.prompt = prompt_text
-    job.messages = req.job.messages
-    job.prompt_token_ids = prompt_token_ids
-    job.params = req.job.params_dict()
-    job.prompt_tokens = len(prompt_token_ids)
-    job.status = JobStatus.QUEUED.value
-
 
 
 # --- answers -----------------------------------------------------------------------------

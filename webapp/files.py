@@ -1,19 +1,25 @@
 """OpenAI's Files API (`/v1/files`): upload a batch input file, list, read, download and
 delete files. The bytes live in the database in chunks (`tasks/files.py`), so every web
 process and beat read the same file. Files belong to the key that uploaded them (with auth
-on, another key's file is a 404)."""
+on, another key's file is a 404). A file past its `expires_at` is a 404 at once, before
+beat's sweep deletes it."""
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
+from datetime import timedelta
 from typing import Any, TypeVar
 
 from flask import Blueprint, Response, jsonify, request
-from sqlalchemy import select
+from pydantic import BaseModel, ValidationError
+from sqlalchemy import or_, select
+from werkzeug.datastructures import MultiDict
 
-from tasks.api.files import FileListQuery
-from tasks.db import keyset_after, keyset_order
+from tasks.api.errors import SchemaError
+from tasks.api.files import ExpiresAfter, FileListQuery
+from tasks.db import has_passed, keyset_after, keyset_order, utcnow
 from tasks.files import delete_file, iter_file_bytes, store_file
 from tasks.models import Batch, BatchStatus, File
 from webapp.auth import current_api_key_id
@@ -27,11 +33,20 @@ bp = Blueprint("files", __name__, url_prefix="/v1/files")
 
 Owned = TypeVar("Owned", File, Batch)  # rows that belong to the key that made them
 MULTIPART_OVERHEAD_BYTES = 64 * 1024  # form fields and boundaries around the file itself
+EXPIRES_AFTER = "expires_after"
+
+
+class _ExpiryField(BaseModel):
+    """The upload's `expires_after`, validated under its own name (errors name
+    `expires_after.seconds`)."""
+
+    expires_after: ExpiresAfter
 
 
 @bp.post("")
 def create_file() -> Response:
-    """Store an uploaded file (`multipart/form-data`: `file`, `purpose=batch`)."""
+    """Store an uploaded file (`multipart/form-data`: `file`, `purpose=batch`, optional
+    `expires_after`)."""
     svc = services()
     api_key_id = current_api_key_id()
     limit = svc.settings.max_file_bytes
@@ -46,6 +61,7 @@ def create_file() -> Response:
     if purpose != "batch":
         raise APIError(400, "invalid_value", f"purpose must be 'batch', got {purpose!r}",
                        "purpose")
+    expires_after = _expires_after(request.form)
     upload = request.files.get("file")
     if upload is None:
         raise APIError(400, "invalid_value", "file is required: the JSONL file of requests",
@@ -57,9 +73,12 @@ def create_file() -> Response:
     if not data:
         raise APIError(400, "invalid_value", "file is empty", "file")
     filename = (upload.filename or "upload.jsonl")[:512]
+    expires_at = (utcnow() + timedelta(seconds=expires_after.seconds)
+                  if expires_after is not None else None)
     with svc.session_factory.begin() as session:
         row = store_file(session, api_key_id=api_key_id, purpose=purpose, filename=filename,
-                         data=data, num_lines=data.count(b"\n") + (not data.endswith(b"\n")))
+                         data=data, num_lines=data.count(b"\n") + (not data.endswith(b"\n")),
+                         expires_at=expires_at)
         body = file_to_dict(row)
     logger.info("file %s stored: %d bytes", body["id"], len(data))
     return jsonify(body)
@@ -78,6 +97,7 @@ def list_files() -> Response:
         statement = statement.where(File.api_key_id == api_key_id)
     if query.purpose:
         statement = statement.where(File.purpose == query.purpose)
+    statement = statement.where(or_(File.expires_at.is_(None), File.expires_at > utcnow()))
     with svc.session_factory() as session:
         if query.after:
             cursor = visible_file(session, query.after, api_key_id)
@@ -126,6 +146,31 @@ def remove_file(file_id: str) -> Response:
     return jsonify({"id": row.id, "object": "file", "deleted": True})
 
 
+def _expires_after(form: MultiDict[str, str]) -> ExpiresAfter | None:
+    """The upload's expiry policy: OpenAI's clients send the fields
+    `expires_after[anchor]` and `expires_after[seconds]`; one `expires_after` field
+    holding a JSON object is read too. None when the upload has none."""
+    prefix = EXPIRES_AFTER + "["
+    # NOTE: werkzeug gives a field whose name is not text the name None
+    value: Any = {key[len(prefix):-1]: form[key] for key in form
+                  if isinstance(key, str) and key.startswith(prefix) and key.endswith("]")}
+    if EXPIRES_AFTER in form:
+        try:
+            value = json.loads(form[EXPIRES_AFTER])
+        except (ValueError, RecursionError):
+            raise APIError(400, "invalid_value", "expires_after must be a JSON object "
+                           '{"anchor": "created_at", "seconds": N}', EXPIRES_AFTER) from None
+        if value is None:  # the schema's null: no expiry
+            return None
+    elif not value:
+        return None
+    try:
+        return _ExpiryField.model_validate({EXPIRES_AFTER: value}).expires_after
+    except ValidationError as exc:
+        error = SchemaError.from_validation(exc, _ExpiryField)
+        raise APIError(400, "invalid_value", error.message, error.param) from None
+
+
 def page(data: list[dict[str, Any]], limit: int) -> dict[str, Any]:
     """OpenAI's cursor page of `data` (read with limit + 1 rows: the extra says has_more)."""
     has_more = len(data) > limit
@@ -136,7 +181,8 @@ def page(data: list[dict[str, Any]], limit: int) -> dict[str, Any]:
 
 def file_to_dict(row: File) -> dict[str, Any]:
     return {"id": row.id, "object": "file", "bytes": row.bytes,
-            "created_at": int(row.created_at.timestamp()), "expires_at": None,
+            "created_at": int(row.created_at.timestamp()),
+            "expires_at": int(row.expires_at.timestamp()) if row.expires_at else None,
             "filename": row.filename, "purpose": row.purpose, "status": "processed",
             "status_details": None}
 
@@ -162,9 +208,10 @@ def load_owned(model: type[Owned], row_id: str, noun: str) -> Owned:
 
 def visible(session: Any, model: type[Owned], row_id: str,
             api_key_id: uuid.UUID | None) -> Owned | None:
-    """The row, if the caller may see it: with auth on, only its own key's rows."""
+    """The row, if the caller may see it: with auth on, only its own key's rows; a file
+    only until it expires."""
     row = session.get(model, row_id)
-    if row is None:
+    if row is None or (isinstance(row, File) and has_passed(row.expires_at)):
         return None
     if services().settings.auth_enabled and row.api_key_id != api_key_id:
         return None

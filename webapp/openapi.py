@@ -163,7 +163,8 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation("get", "/version", "version", "The llmq package's version", "service",
               {200: {JSON: Version}}),
     Operation("post", "/v1/files", "createFile", "Upload a file of batch requests "
-              "(JSONL, at most LLMQ_MAX_FILE_BYTES)", "files",
+              "(JSONL, at most LLMQ_MAX_FILE_BYTES), optionally expiring (`expires_after`)",
+              "files",
               {200: {JSON: FileObject}, **_errors(400, 401, 413, 503)},
               body=FileUpload, body_media=MULTIPART),
     Operation("get", "/v1/files", "listFiles", "The caller's files; page with `after`",
@@ -177,8 +178,9 @@ OPERATIONS: tuple[Operation, ...] = (
               "unfinished batch reads it)", "files",
               {200: {JSON: FileDeleted}, **_errors(401, 404, 409, 503)}, params=(FILE_ID,)),
     Operation("post", "/v1/batches", "createBatch", "Run every request of an uploaded file "
-              "as a job, after interactive traffic; a file with invalid lines gives a "
-              "`failed` batch (errors.data has their line numbers)", "batches",
+              "as a job, after interactive traffic: answers `validating` at once; a file "
+              "with invalid lines then makes the batch `failed` (errors.data has their line "
+              "numbers)", "batches",
               {200: {JSON: Batch}, **_errors(400, 401, 413, 503)}, body=BatchCreateRequest),
     Operation("get", "/v1/batches", "listBatches", "The caller's batches, newest first; page "
               "with `after`", "batches", {200: {JSON: BatchList}, **_errors(400, 401, 503)},

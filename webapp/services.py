@@ -6,7 +6,8 @@ starts (and answers /health) while Postgres or Redis are still coming up.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import sqlalchemy
 from celery import Celery
@@ -35,6 +36,8 @@ class Services:
     models: ModelRegistry
     publisher: EventPublisher
     subscriber: EventSubscriber
+    # stopped first by close(): the app's background threads (the batch validator)
+    on_close: list[Callable[[], None]] = field(default_factory=list)
 
     @classmethod
     def build(cls, settings: Settings) -> Services:
@@ -55,6 +58,8 @@ class Services:
         app.extensions[EXTENSION_KEY] = self
 
     def close(self) -> None:
+        for stop in self.on_close:
+            stop()
         self.subscriber.close()
         self.redis.close()
         self.engine.dispose()

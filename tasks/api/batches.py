@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from tasks.api.fields import PRIORITY_RANGE, RequestModel, Text
+from tasks.api.files import ExpiresAfter
 
 BATCH_PRIORITY = PRIORITY_RANGE[1] + 1  # the band of batch jobs: after every interactive one
 BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
@@ -39,10 +40,13 @@ class BatchCreateRequest(RequestModel):
     metadata: Annotated[dict[Annotated[str, Field(max_length=64)],
                              Annotated[str, Field(max_length=512)]],
                         Field(max_length=MAX_METADATA_PAIRS)] | None = None
+    output_expires_after: ExpiresAfter | None = Field(
+        None, description="when the output and error files expire (anchor: their "
+        "creation); by default after LLMQ_BATCH_OUTPUT_EXPIRES_SECONDS")
 
 
 class BatchError(BaseModel):
-    code: str  # invalid_json, invalid_request, duplicate_custom_id, too_many_lines, ...
+    code: str  # invalid_json_line, invalid_request, duplicate_custom_id, invalid_file, ...
     message: str
     param: str | None = None
     line: int | None = None  # 1-based line of the input file

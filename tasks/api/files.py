@@ -1,5 +1,5 @@
 """The Files API's bodies (`/v1/files`, OpenAI's shapes): a file object, a listing, a
-deletion, the upload form and the listing's query."""
+deletion, the upload form, a file's expiry policy and the listing's query."""
 
 from __future__ import annotations
 
@@ -10,6 +10,17 @@ from pydantic import BaseModel, ConfigDict, Field
 FILE_PURPOSES = ("batch",)  # what a client may upload; the server writes `batch_output`
 MAX_FILE_PAGE_SIZE = 10_000  # OpenAI's bound on `limit`
 DEFAULT_FILE_PAGE_SIZE = 10_000
+EXPIRES_AFTER_SECONDS = (3600, 30 * 24 * 3600)  # OpenAI's bounds: an hour to 30 days
+
+
+class ExpiresAfter(BaseModel):
+    """When a file expires: `seconds` after its `anchor` (its creation)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    anchor: Literal["created_at"] = Field(description="the time the expiry counts from")
+    seconds: Annotated[int, Field(ge=EXPIRES_AFTER_SECONDS[0], le=EXPIRES_AFTER_SECONDS[1])] = (
+        Field(description="seconds after the anchor, 3600 (an hour) to 2592000 (30 days)"))
 
 
 class FileUpload(BaseModel):
@@ -18,6 +29,10 @@ class FileUpload(BaseModel):
     file: bytes = Field(description="the JSONL file of requests", json_schema_extra={
         "format": "binary", "contentMediaType": "application/octet-stream"})
     purpose: Literal["batch"] = Field(description="only `batch` files are accepted")
+    expires_after: ExpiresAfter | None = Field(None, description="the file is deleted then "
+                                               "(as `expires_after[anchor]` and "
+                                               "`expires_after[seconds]` fields, or one "
+                                               "JSON field); by default it is kept")
 
 
 class FileObject(BaseModel):
@@ -27,7 +42,7 @@ class FileObject(BaseModel):
     object: Literal["file"]
     bytes: int
     created_at: int  # unix seconds
-    expires_at: int | None = None
+    expires_at: int | None = None  # unix seconds; None: kept until deleted
     filename: str
     purpose: Literal["batch", "batch_output"]
     status: Literal["processed"]  # OpenAI's (deprecated) field: always processed here

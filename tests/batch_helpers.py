@@ -1,0 +1,32 @@
+"""Batch rows the Batch API tests store directly: a batch whose jobs all ended, as the
+workers leave it before anyone finalizes it."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from tasks.db import utcnow
+from tasks.models import Batch, Job
+
+
+def store_ended_batch(session_factory: Any, statuses: tuple[str, ...], *,
+                      input_file_id: str = "file-x", **batch_fields: Any) -> str:
+    """An `in_progress` batch with one ended job per status (`succeeded` ones with an
+    output, `failed` ones with an error), not finalized yet; returns its id."""
+    batch_id = f"batch_{uuid.uuid4().hex}"
+    now = utcnow()
+    with session_factory.begin() as session:
+        session.add(Batch(id=batch_id, endpoint="/v1/completions", input_file_id=input_file_id,
+                          completion_window="24h", status="in_progress",
+                          num_total=len(statuses), num_completed=0, num_failed=0,
+                          created_at=now, in_progress_at=now, **batch_fields))
+        session.flush()  # the batch before its jobs (their foreign key)
+        for i, status in enumerate(statuses):
+            session.add(Job(model="tiny", kind="completion", prompt="p", params={"n": 1},
+                            status=status, batch_id=batch_id, custom_id=f"r{i}",
+                            batch_index=i, output=[{"index": 0, "text": "t",
+                                                    "finish_reason": "length"}],
+                            error="boom" if status == "failed" else None, prompt_tokens=1,
+                            completion_tokens=1, created_at=now, finished_at=now))
+    return batch_id

@@ -1,0 +1,227 @@
+"""A batch validated off the request (webapp/batch_validation.py): `POST /v1/batches`
+answers `validating`; a web process's validator claims the batch under a lease and
+commits its jobs and status in one transaction, once. Real Postgres and Redis, the Flask
+app over HTTP, the official `openai` client."""
+
+from __future__ import annotations
+
+import io
+import json
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import openai
+import pytest
+from sqlalchemy import func, select
+
+from tasks.batches import cancel_batch_jobs, sweep_batches
+from tasks.db import utcnow
+from tasks.models import Batch, Job, JobStatus
+from tests.pipeline_helpers import wait_for
+from webapp.batch_validation import claim_batch, commit_validation
+
+pytestmark = pytest.mark.integration
+
+FINISHED = ("completed", "failed", "expired", "cancelled")
+
+
+def _line(custom_id: str) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
+            "body": {"model": "tiny", "prompt": f"say {custom_id}", "max_tokens": 4}}
+
+
+def _upload(client: openai.OpenAI, count: int) -> str:
+    data = "".join(json.dumps(_line(f"v{i}")) + "\n" for i in range(count)).encode()
+    return client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch").id
+
+
+def _stored_batch(session_factory, file_id: str, *, validator: str | None,
+                  lease_seconds: float, attempts: int, window_seconds: float = 3600) -> str:
+    """A `validating` batch as a web process left it: claimed by `validator` with a lease
+    ending `lease_seconds` from now (negative: lapsed)."""
+    batch_id = f"batch_{uuid.uuid4().hex}"
+    now = utcnow()
+    with session_factory.begin() as session:
+        session.add(Batch(
+            id=batch_id, endpoint="/v1/completions", input_file_id=file_id,
+            completion_window="24h", status="validating", num_total=0, num_completed=0,
+            num_failed=0, created_at=now, expires_at=now + timedelta(seconds=window_seconds),
+            validator=validator, validation_attempts=attempts,
+            validation_lease_expires_at=(now + timedelta(seconds=lease_seconds)
+                                         if validator else None)))
+    return batch_id
+
+
+def _num_jobs(session_factory, batch_id: str) -> int:
+    with session_factory() as session:
+        return session.scalar(select(func.count()).select_from(Job).where(
+            Job.batch_id == batch_id)) or 0
+
+
+def _commit(session_factory, batch_id: str, token: str, tag: str) -> bool:
+    """What a validator holding `token` commits: two jobs and `in_progress`."""
+    jobs = [Job(model="tiny", kind="completion", prompt="p", params={}, batch_id=batch_id,
+                custom_id=f"{tag}{i}", batch_index=i, created_at=utcnow()) for i in range(2)]
+    return commit_validation(session_factory, batch_id, token,
+                             {"status": "in_progress", "num_total": 2}, jobs)
+
+
+def test_create_answers_validating_and_the_validator_queues_every_line(client,
+                                                                        session_factory):
+    batch = client.batches.create(input_file_id=_upload(client, 40),
+                                  endpoint="/v1/completions", completion_window="24h")
+    assert batch.status == "validating" and batch.in_progress_at is None
+    assert batch.expires_at - batch.created_at == 24 * 3600  # the window counts from creation
+    running = wait_for(lambda: (b := client.batches.retrieve(batch.id)).status != "validating"
+                       and b, 60, "validation ended")
+    assert running.status == "in_progress" and running.in_progress_at is not None
+    assert running.request_counts.total == 40 == _num_jobs(session_factory, batch.id)
+    with session_factory() as session:
+        indexes = session.scalars(select(Job.batch_index).where(
+            Job.batch_id == batch.id, Job.status == JobStatus.QUEUED.value)).all()
+    assert sorted(indexes) == list(range(40))
+    client.batches.cancel(batch.id)  # no worker here: leave nothing queued
+
+
+def test_a_lapsed_lease_is_taken_over_and_the_jobs_exist_once(client, session_factory):
+    file_id = _upload(client, 5)
+    # a process claimed this one and died; another still validates that one
+    orphan = _stored_batch(session_factory, file_id, validator="dead:1:x", lease_seconds=-1,
+                           attempts=1)
+    alive = _stored_batch(session_factory, file_id, validator="alive:2:y", lease_seconds=600,
+                          attempts=1)
+    client.batches.retrieve(orphan)  # a GET wakes this process's validator
+    done = wait_for(lambda: (b := client.batches.retrieve(orphan)).status != "validating"
+                    and b, 60, "the orphan validated")
+    assert done.status == "in_progress" and done.request_counts.total == 5
+    with session_factory() as session:
+        row = session.get(Batch, orphan)
+        assert row.validator != "dead:1:x" and row.validation_attempts == 2
+    # the dead validator wakes up late: its commit matches nothing, no job is added
+    assert not _commit(session_factory, orphan, "dead:1:x", "late")
+    assert _num_jobs(session_factory, orphan) == 5
+    # a live lease is left alone
+    assert client.batches.retrieve(alive).status == "validating"
+    with session_factory() as session:
+        assert session.get(Batch, alive).validator == "alive:2:y"
+    for batch_id in (orphan, alive):
+        assert client.batches.cancel(batch_id).status == "cancelled"
+
+
+def test_concurrent_claims_give_a_batch_to_one_validator_which_commits_once(
+        session_factory, redis_client, service_settings):
+    # no web process runs in this test: the eight racers alone claim
+    batch_id = _stored_batch(session_factory, "file-unread", validator="gone:3:z",
+                             lease_seconds=-5, attempts=0)
+    with ThreadPoolExecutor(8) as pool:
+        won = list(pool.map(lambda i: claim_batch(session_factory, f"racer-{i}", 600, 3),
+                            range(8)))
+    winners = [i for i, claimed in enumerate(won) if claimed == batch_id]
+    assert len(winners) == 1, won
+    with session_factory() as session:
+        assert session.get(Batch, batch_id).validator == f"racer-{winners[0]}"
+    loser = next(i for i in range(8) if i != winners[0])
+    assert not _commit(session_factory, batch_id, "gone:3:z", "a")
+    assert not _commit(session_factory, batch_id, f"racer-{loser}", "b")
+    assert _commit(session_factory, batch_id, f"racer-{winners[0]}", "c")
+    assert not _commit(session_factory, batch_id, f"racer-{winners[0]}", "d")  # twice
+    with session_factory() as session:
+        assert sorted(session.scalars(select(Job.custom_id).where(
+            Job.batch_id == batch_id))) == ["c0", "c1"]
+    cancel_batch_jobs(session_factory, redis_client, service_settings, batch_id)
+
+
+def test_cancel_while_validating_runs_no_line(client, session_factory):
+    held = _stored_batch(session_factory, _upload(client, 3), validator="busy:4:w",
+                         lease_seconds=600, attempts=1)
+    cancelled = client.batches.cancel(held)
+    assert cancelled.status == "cancelled" and cancelled.cancelled_at is not None
+    assert cancelled.output_file_id is None and cancelled.error_file_id is None
+    # the validator that held it finishes afterwards: nothing is committed
+    assert not _commit(session_factory, held, "busy:4:w", "v")
+    assert _num_jobs(session_factory, held) == 0
+    assert client.batches.retrieve(held).status == "cancelled"
+    # through the API, at once after the create: cancelled, and no line left to run
+    batch = client.batches.create(input_file_id=_upload(client, 300),
+                                  endpoint="/v1/completions", completion_window="24h")
+    assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
+    done = wait_for(lambda: (b := client.batches.retrieve(batch.id)).status in FINISHED
+                    and b, 60, "the cancel ended")
+    assert done.status == "cancelled"
+    with session_factory() as session:
+        statuses = set(session.scalars(select(Job.status).where(Job.batch_id == batch.id)))
+    assert statuses <= {JobStatus.CANCELLED.value}  # none, or every line cancelled
+
+
+def test_a_batch_whose_validation_keeps_failing_fails(client, session_factory):
+    batch_id = _stored_batch(session_factory, _upload(client, 2), validator="crashed:5:v",
+                             lease_seconds=-1, attempts=3)  # LLMQ_MAX_ATTEMPTS claims
+    failed = wait_for(lambda: (b := client.batches.retrieve(batch_id)).status != "validating"
+                      and b, 60, "the batch failed")
+    assert failed.status == "failed" and failed.errors.data[0].code == "validation_failed"
+    assert _num_jobs(session_factory, batch_id) == 0
+
+
+def test_beat_expires_a_validating_batch_nobody_validates(session_factory, redis_client,
+                                                          service_settings):
+    # no web process runs in this test: nothing validates it, its window passes
+    batch_id = _stored_batch(session_factory, "file-none", validator="dead:6:u",
+                             lease_seconds=-1, attempts=1, window_seconds=-1)
+    sweep_batches(session_factory, redis_client, service_settings)
+    with session_factory() as session:
+        row = session.get(Batch, batch_id)
+        assert row.status == "expired" and row.expired_at is not None
+        assert row.output_file_id is None and row.error_file_id is None
+    assert _num_jobs(session_factory, batch_id) == 0
+
+
+def test_a_missing_input_file_fails_the_batch_with_a_file_error(client, session_factory):
+    batch_id = _stored_batch(session_factory, "file-deleted-meanwhile", validator=None,
+                             lease_seconds=0, attempts=0)
+    failed = wait_for(lambda: (b := client.batches.retrieve(batch_id)).status != "validating"
+                      and b, 60, "the batch failed")
+    assert failed.status == "failed"
+    assert [(e.code, e.line) for e in failed.errors.data] == [("invalid_file", None)]
+
+
+def test_a_web_process_killed_while_validating_loses_nothing(service_settings, start_web,
+                                                             session_factory, tmp_path):
+    """The `llmq web` (gunicorn) worker validating a big file is killed with SIGKILL; once
+    its lease lapsed, another web process validates the batch: every line is a job, once."""
+    import os
+    import signal
+
+    from llmq.commands import web_command
+    from tests.fixtures_services import free_port
+    from tests.pipeline_helpers import serving_web, worker_env
+
+    num_lines = 20_000  # seconds of tokenizing: the kill lands mid-validation
+    port = free_port()
+    command = web_command("127.0.0.1", port, workers=1, threads=4, graceful_timeout=1.0)
+    env = worker_env(service_settings, LLMQ_BATCH_VALIDATION_LEASE_SECONDS="2")
+    with serving_web(command, env, tmp_path / "victim.log") as url:
+        victim = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
+                               timeout=120)
+        batch = victim.batches.create(input_file_id=_upload(victim, num_lines),
+                                      endpoint="/v1/completions", completion_window="24h")
+
+        def claimed() -> str | None:
+            with session_factory() as session:
+                return session.get(Batch, batch.id).validator
+
+        token = wait_for(claimed, 30, "the victim claimed the batch")
+        os.kill(int(token.split(":")[1]), signal.SIGKILL)  # the token names its process
+    assert _num_jobs(session_factory, batch.id) == 0  # it died before its commit
+    with session_factory() as session:
+        assert session.get(Batch, batch.id).status == "validating"
+    rescuer = openai.OpenAI(base_url=start_web(service_settings) + "/v1", api_key="unused",
+                            max_retries=0)
+    done = wait_for(lambda: (b := rescuer.batches.retrieve(batch.id)).status != "validating"
+                    and b, 120, "another process validated the batch", interval=0.2)
+    assert done.status == "in_progress" and done.request_counts.total == num_lines
+    assert _num_jobs(session_factory, batch.id) == num_lines
+    with session_factory() as session:
+        row = session.get(Batch, batch.id)
+        assert row.validator != token and row.validation_attempts == 2
+    rescuer.batches.cancel(batch.id)

@@ -1,0 +1,240 @@
+"""Batches validated off the request: `POST /v1/batches` stores the batch `validating`
+and answers at once; a `BatchValidator` thread reads its input file, checks every line and
+inserts its jobs (webapp/batch_lines.py), then moves it to `in_progress`, or to `failed`
+with the problems in `errors.data`.
+
+Why a thread in the web process: tokenizing a line needs the served model's tokenizer,
+which the web process holds (webapp/model_registry.py) and `tasks/` (beat) may not import.
+Why not the next GET: a 50,000-line file takes tens of seconds, which would stall that
+GET instead of the POST. So each web process runs one validator thread, started by its
+first request (like the live hub: after any fork) and woken at once when the process
+creates a batch or answers a GET of a validating one; between wakes it looks every
+`POLL_SECONDS` for a batch nobody validates.
+
+Durable, exactly once:
+* a claim is a conditional UPDATE (still `validating`, never claimed or its validator's
+  lease lapsed) that writes the claimer's token and a lease; so if the validating process
+  dies, another process's validator takes the batch over once the lease lapsed;
+* the validator renews its lease while it works and stops when a renewal matches nothing
+  (taken over, or cancelled);
+* its result, the jobs and the move to `in_progress` (or `failed`), is ONE transaction
+  whose first statement is an UPDATE matching only while the batch is still `validating`
+  under its token: a validator that lost its claim commits nothing, so the jobs exist once;
+* a batch whose validation keeps failing (`LLMQ_MAX_ATTEMPTS` claims) ends `failed`, and
+  one whose window passes with no web process left is expired by beat (tasks/batches.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from datetime import timedelta
+from typing import Any
+
+from flask import Flask, current_app
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from tasks.batches import finalize_if_done, validation_unclaimed
+from tasks.db import update_count, utcnow
+from tasks.files import read_file_bytes
+from tasks.models import Batch, BatchStatus, File, Job
+from webapp.batch_lines import KIND_OF_ENDPOINT, file_problem, line_job, parse_lines
+from webapp.services import Services
+
+logger = logging.getLogger(__name__)
+
+EXTENSION_KEY = "llmq.batch_validator"
+POLL_SECONDS = 2.0  # how often an idle validator looks for a batch nobody validates
+MAX_REPORTED_ERRORS = 1000  # validation errors kept in errors.data
+
+
+class LostClaim(Exception):
+    """The batch is no longer validating under this claim (taken over, or cancelled)."""
+
+
+def claim_batch(session_factory: sessionmaker[Session], token: str, lease_seconds: float,
+                max_attempts: int) -> str | None:
+    """Claim the oldest batch that is `validating` with no live validator; returns it, or
+    None. One already claimed `max_attempts` times ends `failed` instead."""
+    now = utcnow()
+    with session_factory() as session:
+        candidates = session.execute(select(Batch.id, Batch.validation_attempts).where(
+            validation_unclaimed(now)).order_by(Batch.created_at).limit(8)).all()
+    for batch_id, attempts in candidates:
+        values: dict[str, Any] = {"validator": token, "validation_lease_expires_at": now
+                                  + timedelta(seconds=lease_seconds),
+                                  "validation_attempts": attempts + 1}
+        if attempts >= max_attempts:
+            values = {"status": BatchStatus.FAILED.value, "failed_at": now,
+                      "errors": [file_problem(
+                          "validation_failed", f"validating the input file failed "
+                          f"{attempts} times (LLMQ_MAX_ATTEMPTS); see the web logs, then "
+                          "submit the batch again")]}
+        with session_factory.begin() as session:
+            won = update_count(session, update(Batch).where(
+                Batch.id == batch_id, Batch.validation_attempts == attempts,
+                validation_unclaimed(now)).values(**values))
+        if won and attempts >= max_attempts:
+            logger.error("batch %s: validation failed %d times; batch failed", batch_id,
+                         attempts)
+        elif won:
+            return str(batch_id)
+    return None
+
+
+def renew_claim(session_factory: sessionmaker[Session], batch_id: str, token: str,
+                lease_seconds: float) -> None:
+    """Extend this claim's lease; raises LostClaim when the claim is gone."""
+    with session_factory.begin() as session:
+        if not update_count(session, update(Batch).where(*_held(batch_id, token)).values(
+                validation_lease_expires_at=utcnow() + timedelta(seconds=lease_seconds))):
+            raise LostClaim(batch_id)
+
+
+def commit_validation(session_factory: sessionmaker[Session], batch_id: str, token: str,
+                      values: dict[str, Any], jobs: list[Job]) -> bool:
+    """The validation's result in one transaction: the batch's new `values` and its
+    `jobs`, only while the batch is still validating under `token`. Returns whether it
+    was written (False: the claim was lost; nothing was)."""
+    with session_factory() as session, session.begin():
+        # NOTE: the conditional UPDATE first: it locks the row, so a concurrent cancel or
+        # a validator that took over waits, and a lost claim inserts no job.
+        if not update_count(session, update(Batch).where(*_held(batch_id, token)).values(
+                validation_lease_expires_at=None, **values)):
+            return False
+        session.add_all(jobs)
+    return True
+
+
+def _held(batch_id: str, token: str) -> tuple[Any, ...]:
+    """The condition of `batch_id` still validating under the claim `token`."""
+    return (Batch.id == batch_id, Batch.status == BatchStatus.VALIDATING.value,
+            Batch.validator == token)
+
+
+def validate_batch(svc: Services, batch_id: str, token: str) -> bool:
+    """Validate the claimed `batch_id` (inside an app context): its jobs and
+    `in_progress`, or `failed` with the problems. Returns whether the result was written
+    (False: the claim was lost on the way)."""
+    lease = svc.settings.batch_validation_lease_seconds
+    with svc.session_factory() as session:
+        batch = session.get(Batch, batch_id)
+        if batch is None:
+            return False
+        endpoint, api_key_id = batch.endpoint, batch.api_key_id
+        exists = session.get(File, batch.input_file_id) is not None
+        data = read_file_bytes(session, batch.input_file_id) if exists else b""
+    lines, errors = parse_lines(data, endpoint, svc.settings.max_batch_lines) if exists else (
+        [], [file_problem("invalid_file", "the input file was deleted or expired before the "
+                          "batch was validated")])
+    now = utcnow()
+    if errors:
+        written = commit_validation(svc.session_factory, batch_id, token, {
+            "status": BatchStatus.FAILED.value, "errors": errors[:MAX_REPORTED_ERRORS],
+            "failed_at": now}, [])
+        if written:
+            logger.info("batch %s failed validation: %d problems", batch_id, len(errors))
+        return written
+    kind = KIND_OF_ENDPOINT[endpoint]
+    renew_every = lease / 3
+    renew_at = time.monotonic() + renew_every
+    jobs: list[Job] = []
+    for index, line in enumerate(lines):
+        if time.monotonic() > renew_at:
+            renew_claim(svc.session_factory, batch_id, token, lease)
+            renew_at = time.monotonic() + renew_every
+        jobs.append(line_job(svc, kind, index, line, api_key_id, batch_id, now))
+    written = commit_validation(svc.session_factory, batch_id, token, {
+        "status": BatchStatus.IN_PROGRESS.value, "num_total": len(jobs),
+        "in_progress_at": utcnow()}, jobs)
+    if written:
+        logger.info("batch %s in progress: %d requests to %s", batch_id, len(jobs), endpoint)
+        finalize_if_done(svc.session_factory, batch_id)  # every line may have failed already
+    return written
+
+
+class BatchValidator:
+    """This web process's validator thread (see the module's docstring)."""
+
+    def __init__(self, app: Flask, svc: Services) -> None:
+        self._app = app
+        self._svc = svc
+        self._wake = threading.Event()
+        self._stopped = threading.Event()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._pid = 0
+        self.token = ""
+
+    def ensure_started(self) -> None:
+        """Start the thread in this process (a forked child starts its own)."""
+        if self._pid == os.getpid() and self._thread is not None:
+            return
+        with self._lock:
+            if self._pid == os.getpid() and self._thread is not None:
+                return
+            self._pid = os.getpid()
+            # a claim token names its process, for the logs; the uuid makes it unique
+            self.token = f"{socket.gethostname()[:32]}:{self._pid}:{uuid.uuid4().hex[:16]}"
+            self._wake.set()  # a first look at once: a dead process's batches wait
+            self._thread = threading.Thread(target=self._run, name="llmq-batch-validator",
+                                            daemon=True)
+            self._thread.start()
+
+    def wake(self) -> None:
+        """Look for work now (a batch was created, or a client waits on one)."""
+        self.ensure_started()
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._wake.set()
+        thread = self._thread
+        if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+            thread.join(5)  # a long validation is left: its claim lapses
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            self._wake.wait(POLL_SECONDS)
+            self._wake.clear()
+            try:
+                while not self._stopped.is_set() and self.run_once():
+                    pass
+            except Exception:  # Postgres away, a bug: the claim lapses, a later pass retries
+                logger.exception("batch validation pass failed")
+                self._stopped.wait(POLL_SECONDS * 5)
+
+    def run_once(self) -> bool:
+        """Claim one batch and validate it; returns whether one was claimed."""
+        settings = self._svc.settings
+        batch_id = claim_batch(self._svc.session_factory, self.token,
+                               settings.batch_validation_lease_seconds, settings.max_attempts)
+        if batch_id is None:
+            return False
+        try:
+            with self._app.app_context():
+                validate_batch(self._svc, batch_id, self.token)
+        except LostClaim:
+            logger.warning("batch %s: validation claim lost (taken over or cancelled)",
+                           batch_id)
+        return True
+
+
+def init_app(app: Flask, svc: Services) -> BatchValidator:
+    """Give `app` a validator: started by its first request, stopped with its services."""
+    validator = BatchValidator(app, svc)
+    app.extensions[EXTENSION_KEY] = validator
+    app.before_request(validator.ensure_started)
+    svc.on_close.append(validator.stop)
+    return validator
+
+
+def batch_validator() -> BatchValidator:
+    """The current app's validator."""
+    validator: BatchValidator = current_app.extensions[EXTENSION_KEY]
+    return validator
