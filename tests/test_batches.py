@@ -334,7 +334,9 @@ def test_a_worker_killed_mid_batch_loses_no_line(start_web, service_settings, re
     worker.terminate()  # the module's worker would take the requeued jobs: not this time
     base_url = start_web(service_settings)
     client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
-    lines = [_chat_line(f"k{i}", f"verse {i}", max_tokens=24) for i in range(20)]
+    # the first line ends long before the others, so lines are mid-run at the kill
+    lines = [_chat_line(f"k{i}", f"verse {i}", max_tokens=4 if i == 0 else 400)
+             for i in range(20)]
     victim = WorkerProcess(service_settings, f"victim-{uuid.uuid4().hex[:4]}", tmp_path,
                            args=WORKER_ARGS)
     try:
