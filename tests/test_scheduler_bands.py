@@ -4,7 +4,7 @@ prompt chunk leaves the background band out; exact chunks per step on a fake run
 from __future__ import annotations
 
 from tests.test_scheduler import add, chunks, make_scheduler, step
-from workers.engine.priority_bands import PriorityBands
+from workers.engine.priority_bands import MAX_DEFERRED_IN_A_ROW, PriorityBands
 from workers.engine.sequence import SequenceStatus
 
 BACKGROUND = 100  # the band: priorities >= 100
@@ -97,3 +97,14 @@ def test_a_deferral_that_ran_no_prompt_is_not_repeated() -> None:
     assert not bands.defers_background(sched.running, sched.waiting, lambda seq: True)
     assert bands.defers_background(sched.running, sched.waiting, lambda seq: True)
     assert not bands.defers_background(sched.running, sched.waiting, lambda seq: False)
+
+
+def test_the_band_runs_at_least_once_every_few_steps_while_prompts_keep_coming() -> None:
+    sched = make_scheduler(background_priority=BACKGROUND, long_prefill_token_threshold=2)
+    (bg,) = add(sched, 3, priority=BACKGROUND)
+    step(sched)
+    (fg,) = add(sched, 4 * MAX_DEFERRED_IN_A_ROW)  # a prompt in 2-token chunks
+    carried = [bg.seq_id in chunks(step(sched)[0]) for _ in range(2 * MAX_DEFERRED_IN_A_ROW)]
+    assert carried == ([False] * MAX_DEFERRED_IN_A_ROW + [True]) + [False] * (
+        MAX_DEFERRED_IN_A_ROW - 1)
+    assert fg.num_computed_tokens == 2 * 2 * MAX_DEFERRED_IN_A_ROW

@@ -9,10 +9,11 @@ engine, which is what an interactive client's time to first token waits for. The
 background sequences lose that one step; they keep their KV blocks and their seats (they
 are not preempted), and their tokens are the same, only later.
 
-The decision is taken before the step is built (`defers_background`). When it turns out
-that no foreground prompt chunk could start after all (no KV room, a lookup in flight),
-the next step does not defer (`step_built`), so background sequences never starve: at
-most every other step is taken from them, and only while foreground prompts wait.
+The decision is taken before the step is built (`defers_background`). Background
+sequences never starve: after `MAX_DEFERRED_IN_A_ROW` deferred steps (a long prompt in
+chunks, or prompts arriving every step) the next step carries them, and when a deferred
+step turned out to carry no foreground prompt chunk after all (no KV room, a lookup in
+flight), the next one does not defer either (`step_built`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from workers.engine.sequence import Sequence, SequenceStatus
 from workers.engine.step_io import ScheduledSequence
 
 _READY = (SequenceStatus.WAITING, SequenceStatus.PREEMPTED)
+# deferred steps in a row before one carries the background band again
+MAX_DEFERRED_IN_A_ROW = 4
 
 
 class PriorityBands:
@@ -30,7 +33,8 @@ class PriorityBands:
 
     def __init__(self, background_priority: int | None = None) -> None:
         self.background_priority = background_priority
-        self._deferred_in_vain = False  # the last step deferred, and no prompt chunk ran
+        # deferred steps in a row; at MAX_DEFERRED_IN_A_ROW the next step does not defer
+        self._num_deferred_in_a_row = 0
         self.num_deferred_steps = 0  # steps that left background sequences out
 
     def is_background(self, seq: Sequence) -> bool:
@@ -43,8 +47,8 @@ class PriorityBands:
         that may start can be admitted. `running` and `waiting` are sorted by priority."""
         if self.background_priority is None:
             return False
-        if self._deferred_in_vain:
-            self._deferred_in_vain = False
+        if self._num_deferred_in_a_row >= MAX_DEFERRED_IN_A_ROW:
+            self._num_deferred_in_a_row = 0
             return False
         if not running or not self.is_background(running[-1]):
             return False  # nothing to leave out
@@ -63,14 +67,16 @@ class PriorityBands:
 
     def step_built(self, deferred: bool, scheduled: list[ScheduledSequence],
                    seqs: dict[int, Sequence]) -> None:
-        """After a step was built with `deferred` as decided: remember a deferral that
-        carried no foreground prompt chunk, so the next step does not defer."""
+        """After a step was built with `deferred` as decided: count the deferrals in a
+        row; one that carried no foreground prompt chunk ends the row at once."""
         if not deferred:
+            self._num_deferred_in_a_row = 0
             return
         self.num_deferred_steps += 1
-        self._deferred_in_vain = not any(
-            _is_prompt_chunk(s) and not self.is_background(seqs[s.seq_id])
-            for s in scheduled if s.seq_id in seqs)
+        self._num_deferred_in_a_row += 1
+        if not any(_is_prompt_chunk(s) and not self.is_background(seqs[s.seq_id])
+                   for s in scheduled if s.seq_id in seqs):
+            self._num_deferred_in_a_row = MAX_DEFERRED_IN_A_ROW
 
 
 def _is_prompt_chunk(scheduled: ScheduledSequence) -> bool:
