@@ -96,9 +96,11 @@ def sqlite_path(url: str) -> Path | None:
     return Path(database)
 
 
-def update_count(session: Session, statement: Any) -> int:
-    """Run an UPDATE/DELETE and return how many rows it matched (conditional updates)."""
-    result = cast("CursorResult[Any]", session.execute(statement))
+def update_count(session: Session, statement: Any,
+                 params: list[dict[str, Any]] | None = None) -> int:
+    """Run an UPDATE/DELETE (once, or once per item of `params`: an executemany) and
+    return how many rows it matched in all (conditional updates)."""
+    result = cast("CursorResult[Any]", session.execute(statement, params))
     return int(result.rowcount)
 
 

@@ -332,3 +332,29 @@ def test_a_request_that_fails_its_step_fails_alone(group, session_factory, redis
         while tiny_engine.has_unfinished_requests():
             solo += [t for d in tiny_engine.step() for t in d.new_token_ids]
         assert job.output[0]["token_ids"] == solo
+
+
+def test_a_batch_line_streams_every_token_in_merged_events(group, session_factory,
+                                                            redis_client):
+    from tasks.api.batches import BATCH_PRIORITY
+    from workers.batcher import BATCH_LINE_EVENT_TOKENS
+
+    num_tokens = BATCH_LINE_EVENT_TOKENS + 8
+    params = {"max_tokens": num_tokens, "ignore_eos": True, **GREEDY}
+    line = insert_job(session_factory, prompt="hello world", params=params,
+                      priority=BATCH_PRIORITY)
+    solo = insert_job(session_factory, prompt="hello world", params=params)
+    for job_id in (line, solo):
+        assert group.admission.run(job_id) is GenerateOutcome.ADMITTED
+    jobs = {job_id: wait_terminal(session_factory, job_id) for job_id in (line, solo)}
+    line_events, solo_events = (_events(group, redis_client, job_id) for job_id in (line, solo))
+
+    assert [(e.type, len(e.token_ids)) for e in line_events] == [
+        (EventType.TOKEN, BATCH_LINE_EVENT_TOKENS), (EventType.TOKEN, 8), (EventType.DONE, 0)]
+    assert sum(e.type is EventType.TOKEN for e in solo_events) == num_tokens  # one a step
+    for job_id, events in ((line, line_events), (solo, solo_events)):
+        tokens = [e for e in events if e.type is EventType.TOKEN]
+        assert "".join(e.text for e in tokens) == jobs[job_id].output_text
+        assert sum((e.token_ids for e in tokens), []) == jobs[job_id].output[0]["token_ids"]
+    assert jobs[line].output == jobs[solo].output
+    assert jobs[line].first_token_at is not None

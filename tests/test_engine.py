@@ -218,3 +218,33 @@ def test_max_model_len_never_exceeds_what_the_kv_cache_holds(tiny_qwen3_dir: Pat
         engine.add_request("long", list(range(10, 60)), SamplingParams(max_tokens=20))
     with pytest.raises(ValueError, match="lower max_model_len or give the KV cache more"):
         make_engine(tiny_qwen3_dir, num_blocks=4, max_model_len=128)
+
+
+def test_a_background_band_that_gives_way_to_prompts_changes_no_tokens(
+        tiny_qwen3_dir: Path) -> None:
+    rng = random.Random(99)
+    requests = []  # (request_id, prompt, params, priority, arrival step)
+    for i in range(40):
+        background = i % 4 != 0
+        prompt = [rng.randrange(3, 500) for _ in range(rng.randint(4, 48))]
+        params = SamplingParams(max_tokens=rng.randint(4, 16), temperature=0.0)
+        requests.append((f"req{i}", prompt, params, 100 if background else rng.randint(0, 2),
+                         rng.randint(0, 40)))
+    engine = make_engine(tiny_qwen3_dir, max_num_seqs=16, max_num_batched_tokens=64,
+                         long_prefill_token_threshold=24, background_priority=100)
+    tokens: dict[str, list[int]] = {}
+    step = 0
+    while engine.has_unfinished_requests() or any(r[4] >= step for r in requests):
+        for request_id, prompt, params, priority, at in requests:
+            if at == step:
+                engine.add_request(request_id, prompt, params, priority)
+                tokens[request_id] = []
+        for delta in engine.step():
+            tokens[delta.request_id] += delta.new_token_ids
+        step += 1
+    assert engine.scheduler.bands.num_deferred_steps > 0
+    assert_engine_empty(engine)
+    alone = make_engine(tiny_qwen3_dir, enable_prefix_caching=False)
+    for request_id, prompt, params, _, _ in requests:
+        ref, _, _ = run_all(alone, {0: [(request_id, prompt, params)]})
+        assert tokens[request_id] == ref[request_id][0], request_id

@@ -49,6 +49,31 @@ def test_an_older_attempt_writes_nothing_and_learns_it_is_lost(session_factory):
     assert read_job(session_factory, job_id).output_text == "new"
 
 
+def test_results_written_together_store_each_current_attempt_and_name_the_lost_one(
+        session_factory):
+    group = f"fence-{uuid.uuid4().hex[:6]}"
+    rows = JobRows(session_factory, group)
+    current = [_claimed(session_factory, group, attempts=1) for _ in range(3)]
+    moved_on = _claimed(session_factory, group, attempts=2)
+    first_token_at = utcnow()
+    results = [_result(job_id, 1, f"text {i}") for i, job_id in enumerate(current)]
+    results[1].first_token_at = first_token_at
+    outcome = rows.write([results[0], _result(moved_on, 1, "stale"), *results[1:]])
+    assert [r.job_id for r in outcome.written] == current and outcome.lost == [moved_on]
+    for i, job_id in enumerate(current):
+        row = read_job(session_factory, job_id)
+        assert (row.status, row.output_text, row.output, row.lease_expires_at) == (
+            JobStatus.SUCCEEDED.value, f"text {i}", [{"index": 0, "text": f"text {i}"}], None)
+        assert row.finished_at == results[i].finished_at
+    assert read_job(session_factory, current[1]).first_token_at == first_token_at
+    stale = read_job(session_factory, moved_on)
+    assert stale.status == JobStatus.RUNNING.value and stale.output_text is None
+    # every one of them current: the fast path (no read back)
+    again = [_claimed(session_factory, group, attempts=3) for _ in range(2)]
+    outcome = rows.write([_result(job_id, 3, "x") for job_id in again])
+    assert [r.job_id for r in outcome.written] == again and outcome.lost == []
+
+
 def test_a_give_back_requeue_does_not_spend_the_attempt(session_factory):
     group = f"fence-{uuid.uuid4().hex[:6]}"
     rows = JobRows(session_factory, group)

@@ -39,6 +39,7 @@ def make_scheduler(
     max_model_len: int = 256,
     long_prefill_token_threshold: int = 0,
     enable_prefix_caching: bool = True,
+    background_priority: int | None = None,
 ) -> Scheduler:
     return Scheduler(
         KVCacheManager(num_blocks, block_size, enable_prefix_caching),
@@ -48,6 +49,7 @@ def make_scheduler(
         eos_token_ids=[EOS],
         long_prefill_token_threshold=long_prefill_token_threshold,
         enable_prefix_caching=enable_prefix_caching,
+        background_priority=background_priority,
     )
 
 

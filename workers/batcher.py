@@ -59,6 +59,10 @@ from workers.step_publisher import StepPublisher
 
 logger = logging.getLogger(__name__)
 
+# a batch line's token events go out merged, this many tokens per event (its stream is
+# rarely read while it runs; workers/token_coalescer.py)
+BATCH_LINE_EVENT_TOKENS = 32
+
 
 class BatchEngine(Protocol):
     """What the batcher calls on its engine (`workers.engine.core.Engine`); the batcher
@@ -280,7 +284,8 @@ class Batcher:
                 # NOTE: this group claimed the job again (beat reclaimed it while we could
                 # not renew): the older attempt is lost, whether or not we heard so yet.
                 self._drop_lost({(job.job_id, older.job.attempt)})
-            state = JobState(job)
+            state = JobState(job, BATCH_LINE_EVENT_TOKENS
+                             if is_batch_priority(job.priority) else 0)
             self._jobs[job.job_id] = state
             if job.job_id in cancelled:
                 logger.info("job %s cancelled before it started", job.job_id)
@@ -402,7 +407,10 @@ class Batcher:
             if state.first_token_at is None and delta.new_token_ids:
                 now = now or utcnow()
                 state.first_token_at = now
-                self._first_tokens.append(state)
+                # NOTE: a batch line's row gets it with the next progress write or its
+                # result: nobody waits on a batch line's first token
+                if state.coalescer is None:
+                    self._first_tokens.append(state)
             event = state.apply(delta)
             if event is not None:
                 events.append((state.job.job_id, event))
@@ -419,6 +427,7 @@ class Batcher:
         job_id = state.job.job_id
         if self._jobs.pop(job_id, None) is None:
             return
+        events.extend((job_id, event) for event in state.held_events())
         self._finished.append(state)
 
     def _emit(self, events: list[tuple[str, JobEvent]]) -> None:

@@ -12,10 +12,10 @@ from __future__ import annotations
 import logging
 import uuid
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, cast
 
-from sqlalchemy import DateTime, Table, Update, bindparam, func, tuple_, update
+from sqlalchemy import DateTime, Table, Update, bindparam, func, select, tuple_, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from tasks.db import update_count, utcnow
@@ -109,6 +109,20 @@ class JobRows:
                     first_token_at=func.coalesce(bindparam("b_first", type_=DateTime(True)),
                                                  jobs.c.first_token_at))
         )
+        # NOTE: one prepared statement for every fenced result of a write, run as one
+        # executemany: an ORM UPDATE built per job held the GIL (statement, cache key,
+        # session sync) for longer than the batcher's step could spare
+        self._result_statement = (
+            jobs.update()
+            .where(jobs.c.id == bindparam("b_id"),
+                   jobs.c.status == JobStatus.RUNNING.value, jobs.c.worker == group_id,
+                   jobs.c.attempts == bindparam("b_attempt"))
+            .values(**{name: bindparam(f"b_{name}", type_=jobs.c[name].type)
+                       for name in _RESULT_COLUMNS},
+                    lease_expires_at=None,
+                    first_token_at=func.coalesce(bindparam("b_first", type_=DateTime(True)),
+                                                 jobs.c.first_token_at))
+        )
 
     def write(self, items: list[JobWrite]) -> WriteOutcome:
         """Write progress, results and requeues in ONE transaction; returns the results
@@ -120,20 +134,22 @@ class JobRows:
         # the terminal write carries more than any progress of the same job
         progress = [_progress(i) for i in items
                     if isinstance(i, JobProgress) and i.job_id not in finished]
+        fenced = [i for i in items if isinstance(i, JobResult) and i.attempt is not None]
         with self.session_factory.begin() as session:
             if progress:
                 # NOTE: one executemany (pipelined by the driver), not a statement per job.
                 session.execute(self._progress_statement, progress)
+            if fenced:
+                stored = self._write_results(session, fenced)
+                written += [i for i in fenced if i.job_id in stored]
+                lost += [i.job_id for i in fenced if i.job_id not in stored]
             for item in items:
-                if isinstance(item, JobResult):
+                if isinstance(item, JobResult) and item.attempt is None:
                     statement = self._mine(item.job_id, item.attempt).values(**_result(item))
                     if update_count(session, statement):
                         written.append(item)
                     else:
                         lost.append(item.job_id)
-                        logger.warning("job %s (attempt %s) is no longer running on %s; "
-                                       "result not stored", item.job_id, item.attempt,
-                                       self.group_id)
                 elif isinstance(item, JobRequeue):
                     values: dict[str, Any] = {
                         "status": JobStatus.QUEUED.value, "worker": None,
@@ -146,7 +162,26 @@ class JobRows:
                         requeued.append(item)
                     else:
                         lost.append(item.job_id)
+        for job_id in lost:
+            logger.warning("job %s is no longer running on %s; result not stored", job_id,
+                           self.group_id)
         return WriteOutcome(written, requeued, lost)
+
+    def _write_results(self, session: Session, results: list[JobResult]) -> set[str]:
+        """Store fenced results in one executemany; returns the job ids stored."""
+        matched = update_count(session, self._result_statement,
+                               [_result_params(item) for item in results])
+        ids = {item.job_id for item in results}
+        if matched == len(results):
+            return ids
+        # some attempt is lost (rare): a row this write stored carries its exact result
+        rows = session.execute(select(Job.id, Job.status, Job.worker, Job.attempts,
+                                      Job.finished_at)
+                               .where(Job.id.in_([uuid.UUID(i) for i in ids]))).all()
+        ours = {(item.job_id, item.status.value, item.attempt, item.finished_at)
+                for item in results}
+        return {str(row.id) for row in rows if row.worker == self.group_id
+                and (str(row.id), row.status, row.attempts, _aware(row.finished_at)) in ours}
 
     def renew_leases(self, owned: dict[str, int], expires: datetime) -> list[str]:
         """ONE UPDATE for every running job of this group (`owned`: job id -> attempt);
@@ -203,6 +238,25 @@ def _progress(item: JobProgress) -> dict[str, Any]:
     return {"b_id": uuid.UUID(item.job_id), "b_text": item.output_text,
             "b_tokens": item.completion_tokens, "b_first": item.first_token_at,
             "b_attempt": item.attempt}
+
+
+_RESULT_COLUMNS = ("status", "finish_reason", "error", "error_kind", "output", "output_text",
+                   "prompt_tokens", "completion_tokens", "cached_tokens", "finished_at")
+
+
+def _result_params(item: JobResult) -> dict[str, Any]:
+    """`_result` as the parameters of the grouped result statement."""
+    values = _result(item)
+    params = {f"b_{name}": values[name] for name in _RESULT_COLUMNS}
+    params.update(b_id=uuid.UUID(item.job_id), b_attempt=item.attempt,
+                  b_first=item.first_token_at)
+    return params
+
+
+def _aware(moment: datetime | None) -> datetime | None:
+    """A stored time as an aware UTC datetime (SQLite hands them back naive)."""
+    return moment.replace(tzinfo=UTC) if moment is not None and moment.tzinfo is None \
+        else moment
 
 
 def _result(item: JobResult) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from tasks.protocol import EventType, JobEvent
 from workers.admitted import AdmittedJob
 from workers.engine.outputs import CompletionDelta, FinishReason
 from workers.job_rows import JobProgress, JobResult
+from workers.token_coalescer import TokenCoalescer
 
 # NOTE: Postgres text cannot hold NUL. A NUL the model emits reaches the client as U+FFFD,
 # the same in the stream and in the stored output (token ids stay exact).
@@ -25,9 +26,11 @@ class JobState:
     """Accumulated output of one job (n samples)."""
 
     __slots__ = ("job", "texts", "token_ids", "finish_reasons", "num_prompt_tokens",
-                 "num_cached_tokens", "first_token_at", "error", "error_kind")
+                 "num_cached_tokens", "first_token_at", "error", "error_kind", "coalescer")
 
-    def __init__(self, job: AdmittedJob) -> None:
+    def __init__(self, job: AdmittedJob, coalesce_tokens: int = 0) -> None:
+        """`coalesce_tokens` > 0: token events are merged until they carry that many
+        tokens (workers/token_coalescer.py); `held_events` returns the rest."""
         n = job.num_samples
         self.job = job
         self.texts: list[list[str]] = [[] for _ in range(n)]  # text pieces per sample
@@ -38,6 +41,7 @@ class JobState:
         self.first_token_at: datetime | None = None
         self.error: str | None = None
         self.error_kind: JobErrorKind | None = None  # set with `error`
+        self.coalescer = TokenCoalescer(coalesce_tokens) if coalesce_tokens > 0 else None
 
     @property
     def all_finished(self) -> bool:
@@ -68,13 +72,19 @@ class JobState:
                                    else JobErrorKind.SERVER_ERROR)
         if not delta.new_token_ids and not delta.text:
             return None
-        return JobEvent(
+        event = JobEvent(
             EventType.TOKEN,
             index=index,
             text=text,
             token_ids=list(delta.new_token_ids),
             logprobs=_logprobs_payload(delta),
         )
+        return event if self.coalescer is None else self.coalescer.add(event)
+
+    def held_events(self) -> list[JobEvent]:
+        """The token events still held by coalescing (publish them before the terminal
+        event); none after."""
+        return self.coalescer.flush() if self.coalescer is not None else []
 
     def cancel_all(self) -> None:
         for i, reason in enumerate(self.finish_reasons):

@@ -68,6 +68,7 @@ class GroupRuntime:
 
     def start(self) -> None:
         # NOTE: heavy imports here, not at module import: `--help` stays instant.
+        from tasks.api.batches import BATCH_PRIORITY
         from tasks.db import create_db_engine, make_sessionmaker
         from tasks.redis_client import make_redis
         from tasks.streams.publish import EventPublisher
@@ -85,6 +86,7 @@ class GroupRuntime:
             block_size=s.block_size, max_num_seqs=s.max_num_seqs,
             max_num_batched_tokens=s.max_num_batched_tokens, max_model_len=s.max_model_len,
             enable_prefix_caching=s.enable_prefix_caching,
+            background_priority=BATCH_PRIORITY,
         )
         started = time.monotonic()
         group = self.group or build_topology(s.device, None, 1).groups[0]

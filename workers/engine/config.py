@@ -13,6 +13,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the checkpoint's context length
     long_prefill_token_threshold: int = 0  # cap on one sequence's chunk per step; 0: no cap
     enable_prefix_caching: bool = True
+    # priority values >= this (they run after the others) form a background band: it sits
+    # out the steps that carry a foreground prompt chunk (priority_bands.py); None: no band
+    background_priority: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()

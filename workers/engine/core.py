@@ -90,6 +90,7 @@ class Engine:
             long_prefill_token_threshold=self.config.long_prefill_token_threshold,
             enable_prefix_caching=self.config.enable_prefix_caching,
             kv_connector=kv_connector,
+            background_priority=self.config.background_priority,
         )
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()

@@ -28,6 +28,10 @@ sequence whose lookup is in flight waits (`PendingLookups`, workers/engine/pendi
 without holding back the sequences behind it.
 A sequence whose structured-output grammar compiles waits in `WAITING_FOR_GRAMMAR`,
 skipped the same way until its grammar is ready.
+
+Priority bands (`PriorityBands`, workers/engine/priority_bands.py): a step that carries a
+foreground sequence's prompt chunk leaves the running background-band sequences out (they
+keep their KV) and admits no waiting background one.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from typing import TYPE_CHECKING
 
 from kvcache.kv_cache_manager import KVCacheManager
 from workers.engine.pending_lookups import PendingLookups
+from workers.engine.priority_bands import PriorityBands
 from workers.engine.sequence import Sequence, SequenceStatus
 from workers.engine.step_io import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 from workers.engine.step_isolation import StepIsolation
@@ -64,6 +69,7 @@ class Scheduler:
         long_prefill_token_threshold: int = 0,
         enable_prefix_caching: bool = True,
         kv_connector: KVConnector | None = None,
+        background_priority: int | None = None,
     ) -> None:
         self.kv_manager = kv_manager
         # KV storage below the device (tiers): lookups on admission, offload of ended
@@ -86,6 +92,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.lookups = PendingLookups(kv_manager)  # waiting on the connector's lookups
         self.isolation = StepIsolation()  # suspects of a step that raised
+        # priorities >= background_priority give way to foreground prompt chunks
+        self.bands = PriorityBands(background_priority)
         # prompt tokens looked up / found in the prefix cache, counted once per sequence
         self.prefix_queries_tokens = 0
         self.prefix_hits_tokens = 0
@@ -183,9 +191,14 @@ class Scheduler:
         preempted: list[int] = []
         bs = self.block_size
         threshold = self.long_prefill_token_threshold
+        bands = self.bands
+        defer = alone is None and bands.defers_background(self.running, self.waiting,
+                                                          self._can_admit)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if defer and bands.is_background(seq):
+                break  # NOTE: running is sorted: every sequence from here on is background
             if alone is not None and seq is not alone:
                 i += 1
                 continue
@@ -235,6 +248,8 @@ class Scheduler:
             and len(self.running) + self.num_waiting_for_kvs < self.max_num_seqs
         ):
             seq = self.waiting[index]
+            if defer and bands.is_background(seq):
+                break  # waiting is sorted too
             if seq.status == SequenceStatus.WAITING_FOR_REMOTE_KVS or (
                     alone is not None and seq is not alone):
                 index += 1
@@ -304,6 +319,7 @@ class Scheduler:
 
         if self.lookups.holds_hits:
             self.lookups.release_answered(self.seqs)
+        bands.step_built(defer, scheduled, self.seqs)
         output = SchedulerOutput(
             scheduled=scheduled,
             num_batched_tokens=self.max_num_batched_tokens - budget,
@@ -327,6 +343,14 @@ class Scheduler:
                   if s.seq_id in self.seqs]
         loaded = {block_id for block_id, _ in scheduler_output.blocks_to_load}
         return self.isolation.on_failure(failed, loaded, self._preempt)
+
+    def _can_admit(self, seq: Sequence) -> bool:
+        """Whether `seq` would find a seat and KV blocks for its first chunk (counting no
+        prefix-cache hit)."""
+        if len(self.running) + self.num_waiting_for_kvs >= self.max_num_seqs:
+            return False
+        num_new = self._chunk_size(seq, 0, self.max_num_batched_tokens)
+        return -(-num_new // self.block_size) <= self.kv_manager.num_free_blocks
 
     def _chunk_size(self, seq: Sequence, num_computed: int, budget: int) -> int:
         num_new = seq.num_tokens - num_computed

@@ -1,0 +1,85 @@
+"""`PriorityBands`: a background band of priorities that gives way to prompt chunks.
+
+Sequences whose priority is at least `background_priority` (the service sets it to the
+Batch API's band) are background; every other sequence is foreground. A step that carries
+a foreground sequence's prompt chunk (a new interactive request's prefill, or the
+recompute of a preempted one) leaves the running background sequences out, and admits no
+waiting background sequence: the prompt chunk then runs about as fast as on an idle
+engine, which is what an interactive client's time to first token waits for. The
+background sequences lose that one step; they keep their KV blocks and their seats (they
+are not preempted), and their tokens are the same, only later.
+
+The decision is taken before the step is built (`defers_background`). Background
+sequences never starve: after `MAX_DEFERRED_IN_A_ROW` deferred steps (a long prompt in
+chunks, or prompts arriving every step) the next step carries them, and when a deferred
+step turned out to carry no foreground prompt chunk after all (no KV room, a lookup in
+flight), the next one does not defer either (`step_built`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from workers.engine.sequence import Sequence, SequenceStatus
+from workers.engine.step_io import ScheduledSequence
+
+_READY = (SequenceStatus.WAITING, SequenceStatus.PREEMPTED)
+# deferred steps in a row before one carries the background band again
+MAX_DEFERRED_IN_A_ROW = 4
+
+
+class PriorityBands:
+    """The scheduler's policy for the background band; `background_priority` None: none."""
+
+    def __init__(self, background_priority: int | None = None) -> None:
+        self.background_priority = background_priority
+        # deferred steps in a row; at MAX_DEFERRED_IN_A_ROW the next step does not defer
+        self._num_deferred_in_a_row = 0
+        self.num_deferred_steps = 0  # steps that left background sequences out
+
+    def is_background(self, seq: Sequence) -> bool:
+        return self.background_priority is not None and seq.priority >= self.background_priority
+
+    def defers_background(self, running: list[Sequence], waiting: list[Sequence],
+                          can_admit: Callable[[Sequence], bool]) -> bool:
+        """Whether this step leaves background sequences out: a running foreground
+        sequence has prompt tokens to compute, or the first waiting foreground sequence
+        that may start can be admitted. `running` and `waiting` are sorted by priority."""
+        if self.background_priority is None:
+            return False
+        if self._num_deferred_in_a_row >= MAX_DEFERRED_IN_A_ROW:
+            self._num_deferred_in_a_row = 0
+            return False
+        if not running or not self.is_background(running[-1]):
+            return False  # nothing to leave out
+        for seq in running:
+            if self.is_background(seq):
+                break
+            if seq.num_tokens - seq.num_computed_tokens > 1:
+                return True
+        for seq in waiting:
+            if self.is_background(seq):
+                return False
+            if seq.status in _READY or (seq.status == SequenceStatus.WAITING_FOR_GRAMMAR
+                                        and seq.grammar is not None and seq.grammar.is_ready):
+                return can_admit(seq)
+        return False
+
+    def step_built(self, deferred: bool, scheduled: list[ScheduledSequence],
+                   seqs: dict[int, Sequence]) -> None:
+        """After a step was built with `deferred` as decided: count the deferrals in a
+        row; one that carried no foreground prompt chunk ends the row at once."""
+        if not deferred:
+            self._num_deferred_in_a_row = 0
+            return
+        self.num_deferred_steps += 1
+        self._num_deferred_in_a_row += 1
+        if not any(_is_prompt_chunk(s) and not self.is_background(seqs[s.seq_id])
+                   for s in scheduled if s.seq_id in seqs):
+            self._num_deferred_in_a_row = MAX_DEFERRED_IN_A_ROW
+
+
+def _is_prompt_chunk(scheduled: ScheduledSequence) -> bool:
+    """A chunk that computes prompt tokens (or recomputes more than the last token)."""
+    return (len(scheduled.token_ids) > 1
+            or scheduled.start_pos < len(scheduled.prompt_token_ids))
