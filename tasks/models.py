@@ -207,6 +207,10 @@ class Job(Base):
         Index("ix_jobs_created", "created_at"),
         Index("ix_jobs_key_status", "api_key_id", "status"),
         Index("ix_jobs_batch", "batch_id", "batch_index"),
+        # the batch feeders claim a model's queued batch lines oldest batch first, in order
+        Index("ix_jobs_queued_batch_lines", "model", "created_at", "batch_index",
+              postgresql_where=text("status = 'queued' AND batch_id IS NOT NULL"),
+              sqlite_where=text("status = 'queued' AND batch_id IS NOT NULL")),
         # the queue limit counts a model's queued jobs
         Index("ix_jobs_queued_model", "model", postgresql_where=text("status = 'queued'"),
               sqlite_where=text("status = 'queued'")),

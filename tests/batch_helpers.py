@@ -6,6 +6,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+from tasks.api.batches import BATCH_PRIORITY
 from tasks.db import utcnow
 from tasks.models import Batch, Job
 
@@ -30,3 +31,25 @@ def store_ended_batch(session_factory: Any, statuses: tuple[str, ...], *,
                             error="boom" if status == "failed" else None, prompt_tokens=1,
                             completion_tokens=1, created_at=now, finished_at=now))
     return batch_id
+
+
+def store_queued_lines(session_factory: Any, model: str, indexes: list[int], *,
+                       created_at: Any) -> dict[int, str]:
+    """An `in_progress` batch whose lines wait queued, inserted in the order of `indexes`
+    (their batch_index); returns each index's job id."""
+    batch_id = f"batch_{uuid.uuid4().hex}"
+    ids: dict[int, str] = {}
+    with session_factory.begin() as session:
+        session.add(Batch(id=batch_id, endpoint="/v1/completions", input_file_id="file-x",
+                          completion_window="24h", status="in_progress",
+                          num_total=len(indexes), num_completed=0, num_failed=0,
+                          created_at=created_at, in_progress_at=created_at))
+        session.flush()  # the batch before its jobs (their foreign key)
+        for index in indexes:
+            job = Job(id=uuid.uuid4(), model=model, kind="completion", prompt="p",
+                      params={"max_tokens": 1}, priority=BATCH_PRIORITY, status="queued",
+                      batch_id=batch_id, custom_id=f"r{index}", batch_index=index, attempts=0,
+                      created_at=created_at)
+            session.add(job)
+            ids[index] = str(job.id)
+    return ids

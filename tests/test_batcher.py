@@ -7,14 +7,17 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import pytest
 
+from tasks.db import utcnow
 from tasks.models import JobStatus
 from tasks.params import SamplingParams
 from tasks.protocol import EventType, JobEvent, cancel_flag_key
 from tasks.streams.publish import EventPublisher
+from tests.batch_helpers import store_queued_lines
 from tests.pipeline_helpers import insert_job, read_job, read_stream, wait_for, wait_terminal
 from workers.admission import GenerateOutcome, JobAdmission
 from workers.admitted import AdmittedJob
@@ -358,3 +361,24 @@ def test_a_batch_line_streams_every_token_in_merged_events(group, session_factor
         assert sum((e.token_ids for e in tokens), []) == jobs[job_id].output[0]["token_ids"]
     assert jobs[line].output == jobs[solo].output
     assert jobs[line].first_token_at is not None
+
+
+def test_batch_lines_are_claimed_oldest_batch_first_in_line_order(group, session_factory):
+    model = f"tiny-{uuid.uuid4().hex[:6]}"  # no other test's lines
+    now = utcnow()
+    newer = store_queued_lines(session_factory, model, [0, 1], created_at=now)
+    older = store_queued_lines(session_factory, model, [2, 0, 1],
+                               created_at=now - timedelta(seconds=10))
+
+    def claim(limit: int) -> set[str]:
+        outcomes = group.admission.run_next_batch_jobs(model, limit)
+        assert outcomes == [GenerateOutcome.ADMITTED] * limit
+        return {job_id for job_id in [*newer.values(), *older.values()]
+                if read_job(session_factory, job_id).attempts == 1}
+
+    assert claim(2) == {older[0], older[1]}
+    claimed = claim(2)
+    assert claimed == {older[0], older[1], older[2], newer[0]}
+    for job_id in claimed:
+        wait_terminal(session_factory, job_id)
+    assert read_job(session_factory, newer[1]).status == JobStatus.QUEUED.value

@@ -7,8 +7,8 @@ the worker (device group), `started_at` and a first lease. Generation itself run
 batcher thread: this returns as soon as the batcher has taken the job.
 
 Batch lines have no message: `run_next_batch_jobs` claims queued ones straight from the
-table for the group's batch feeder (workers/batch_feeder.py), with the same claim and
-hand-over.
+table for the group's batch feeder (workers/batch_feeder.py), oldest batch first and in line
+order, with the same claim and hand-over.
 """
 
 from __future__ import annotations
@@ -156,12 +156,16 @@ class JobAdmission:
             self._num_in_flight += 1
         try:
             # NOTE: SKIP LOCKED: groups claiming at once take different rows (Postgres; the
-            # conditional UPDATE alone keeps a claim single elsewhere)
+            # conditional UPDATE alone keeps a claim single elsewhere). MATERIALIZED: as a
+            # plain subquery of the UPDATE, Postgres may run the SELECT more than once, and
+            # each run skips the rows the last one locked: a claim of 2 took 3 lines.
             next_lines = (select(Job.id).where(Job.model == model,
                                                Job.status == JobStatus.QUEUED.value,
                                                Job.batch_id.is_not(None))
-                          .limit(max(1, limit)).with_for_update(skip_locked=True))
-            rows = self._claim_rows(Job.id.in_(next_lines))
+                          .order_by(Job.created_at, Job.batch_index)
+                          .limit(max(1, limit)).with_for_update(skip_locked=True)
+                          .cte("next_lines").prefix_with("MATERIALIZED"))
+            rows = self._claim_rows(Job.id.in_(select(next_lines.c.id)))
             return [self._take(str(row.id), row) for row in rows]
         finally:
             with self._cv:
