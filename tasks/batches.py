@@ -170,10 +170,10 @@ def cancel_batch_jobs(session_factory: sessionmaker[Session], redis: Redis, sett
         running = [str(job_id) for job_id in session.scalars(select(Job.id).where(
             Job.batch_id == batch_id, Job.status == JobStatus.RUNNING.value))]
     events = []
-    for job_id, prompt_tokens in cancelled:
+    for job_uuid, prompt_tokens in cancelled:
         usage = {"prompt_tokens": prompt_tokens or 0, "completion_tokens": 0,
                  "total_tokens": prompt_tokens or 0, "cached_tokens": 0}
-        events.append((str(job_id), JobEvent(EventType.CANCELLED, finish_reason="cancelled",
+        events.append((str(job_uuid), JobEvent(EventType.CANCELLED, finish_reason="cancelled",
                                              usage=usage)))
     if events:
         EventPublisher(redis, settings).publish(events)
