@@ -168,7 +168,7 @@ def test_decode_batch_padded_or_per_sequence_equals_dense(lens):
     tables = [[free.pop() for _ in range(-(-n // block_size))] for n in lens]
     meta = build_attention_metadata(kv_cache, [(n - 1, 1, t) for n, t in zip(lens, tables)])
     assert meta.decodes is not None
-    assert (meta.decodes.padded_tables is not None) == (lens == [30, 31, 25, 32])
+    assert bool(meta.decodes.groups) == (lens == [30, 31, 25, 32])
     q = torch.randn(len(lens), 6, 16)
     out = kernels.paged_attention(q, None, None, k_cache, v_cache, meta)
     for i, (table, n) in enumerate(zip(tables, lens)):
@@ -176,6 +176,51 @@ def test_decode_batch_padded_or_per_sequence_equals_dense(lens):
         values = v_cache[table].flatten(0, 1)[:n]
         ref = _dense_attention(q[i:i + 1], keys, values, n - 1)
         assert torch.allclose(out[i:i + 1], ref, atol=1e-5), n
+
+
+def test_decode_groups_of_similar_lengths_and_singles_beside_a_prompt_chunk():
+    """Decodes sorted into padded groups of nearly equal lengths (in any order in the
+    batch) and singles, in a step that also runs a prompt chunk: every row equals dense
+    attention over exactly its context."""
+    torch.manual_seed(6)
+    block_size = 8
+    lens = [30, 100, 31, 5, 25, 32, 29]  # blocks 4, 13, 4, 1, 4, 4, 4
+    kv_cache = torch.randn(64, 2, 1, block_size, 2, 16)
+    k_cache, v_cache = kv_cache[:, 0, 0], kv_cache[:, 1, 0]
+    free = list(range(8, 64))
+    random.Random(6).shuffle(free)
+    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in lens]
+    chunk_len = 6  # a fresh prompt in blocks 0..7, between the decodes
+    spans = [(n - 1, 1, t) for n, t in zip(lens, tables)]
+    spans.insert(3, (0, chunk_len, list(range(8))))
+    meta = build_attention_metadata(kv_cache, spans)
+    decodes = meta.decodes
+    assert decodes is not None and not decodes.rows_are_all
+    assert [g.members.tolist() for g in decodes.groups] == [[0, 2, 4, 5, 6]]
+    assert decodes.singles == [1, 3]
+    num_tokens = len(lens) + chunk_len
+    q = torch.randn(num_tokens, 6, 16)
+    k_new, v_new = torch.randn(num_tokens, 2, 16), torch.randn(num_tokens, 2, 16)
+    kernels.store_kv(k_new, v_new, k_cache, v_cache, meta.slot_blocks, meta.slot_offsets)
+    out = kernels.paged_attention(q, k_new, v_new, k_cache, v_cache, meta)
+    rows = [0, 1, 2] + [3 + chunk_len + i for i in range(4)]
+    for row, table, n in zip(rows, tables, lens):
+        keys = k_cache[table].flatten(0, 1)[:n]
+        values = v_cache[table].flatten(0, 1)[:n]
+        ref = _dense_attention(q[row:row + 1], keys, values, n - 1)
+        assert torch.allclose(out[row:row + 1], ref, atol=1e-5), n
+    ref = _dense_attention(q[3:3 + chunk_len], k_new[3:3 + chunk_len],
+                           v_new[3:3 + chunk_len], 0)
+    assert torch.allclose(out[3:3 + chunk_len], ref, atol=1e-5)
+
+
+def test_decode_groups_keep_their_padded_gather_within_the_budget():
+    from kernels.attention import _group_decodes
+
+    groups, singles = _group_decodes([5] * 10, max_group_blocks=20)
+    assert groups == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]] and singles == []
+    groups, singles = _group_decodes([2, 9, 2, 3, 1], max_group_blocks=None)
+    assert groups == [[0, 2]] and singles == [1, 3, 4]
 
 
 def test_decode_reads_exactly_its_context():
