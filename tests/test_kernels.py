@@ -370,3 +370,29 @@ def test_prepack_linears_swaps_weights_in_place_once(tiny_qwen3_tied_dir):
         # the plain projection weights are gone, not kept beside their packed copies
         packed = sum(b.numel() for b in model.buffers() if b.is_mkldnn)
         assert packed and sum(p.numel() for p in model.parameters()) == num_params - packed
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_runner_times_both_linear_paths_at_start_up_and_takes_the_faster(
+        tiny_qwen3_tied_dir, dtype):
+    from workers.engine.loader import load_checkpoint
+    from workers.engine.model_runner import ModelRunner
+    from workers.engine.models.layers import probe_weights
+
+    loaded = load_checkpoint(tiny_qwen3_tied_dir, dtype=dtype)
+    shapes = [tuple(w.shape) for w in probe_weights(loaded.model)]
+    # one weight per distinct shape: qkv, o, gate/up, down and the LM head
+    assert len(shapes) == len(set(shapes)) == 5
+    runner = ModelRunner(loaded, kv_cache_bytes=1 << 20)
+    probe = runner.linear_probe
+    assert set(probe) == {1, 16} and all(r > 0 for r in probe.values())
+    packed = [b for b in loaded.model.buffers() if b.is_mkldnn]
+    if sum(probe.values()) < len(probe):
+        assert runner.linear_path == "prepacked" and packed
+        assert probe_weights(loaded.model) == []
+    else:
+        assert runner.linear_path == "reference" and not packed
+    # forced either way, no timing
+    forced = ModelRunner(load_checkpoint(tiny_qwen3_tied_dir, dtype=dtype),
+                         kv_cache_bytes=1 << 20, prepack_weights=False)
+    assert forced.linear_path == "reference" and forced.linear_probe == {}

@@ -12,9 +12,10 @@ from collections.abc import Callable
 
 import torch
 
+from kernels import linear as dense
 from kernels.attention import build_attention_metadata
 from workers.engine.loader import LoadedCheckpoint
-from workers.engine.models.layers import prepack_linears
+from workers.engine.models.layers import prepack_linears, probe_weights
 from workers.engine.step_io import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -35,11 +36,12 @@ class ModelRunner:
         kv_cache_bytes: int = 256 << 20,
         max_num_batched_tokens: int = 8192,
         max_num_seqs: int = 256,
-        prepack_weights: bool = True,
+        prepack_weights: bool | None = None,
     ) -> None:
-        """`prepack_weights`: on CPU, swap each projection's weight for oneDNN's prepacked
-        copy (kernels/linear.py; the plain copy is freed, the model can no longer move);
-        False keeps torch's reference `linear`."""
+        """`prepack_weights`: on CPU, True swaps each projection's weight for oneDNN's
+        prepacked copy (kernels/linear.py; the plain copy is freed, the model can no longer
+        move); False keeps torch's reference `linear`; None times both on the model's own
+        shapes at batch 1 and 16 and takes the faster (`linear_path` says which)."""
         self.loaded = loaded
         self.model = loaded.model
         config = loaded.config
@@ -63,15 +65,37 @@ class ModelRunner:
         self.kv_cache = torch.zeros((num_blocks, *self._block_shape), dtype=self.dtype,
                                     device=self.device)
         self._sample: Callable | None = None
-        if prepack_weights and self.device.type == "cpu":
-            num_packed = prepack_linears(self.model)
-            logger.info("linear layers on %s: %d weights prepacked for oneDNN (%s)",
-                        self.device, num_packed, self.dtype)
+        # "prepacked" (oneDNN) or "reference" (torch's linear); the batch size -> time
+        # ratio prepacked / reference measured at start-up, when it was
+        self.linear_path = "reference"
+        self.linear_probe: dict[int, float] = {}
+        if self.device.type == "cpu":
+            if prepack_weights is None:
+                prepack_weights = self._prepack_wins()
+            if prepack_weights:
+                num_packed = prepack_linears(self.model)
+                self.linear_path = "prepacked"
+                logger.info("linear layers on %s: %d weights prepacked for oneDNN (%s)",
+                            self.device, num_packed, self.dtype)
         from kernels import dispatch
 
         dispatch.log_choices(self.device.type)
         logger.info("KV cache: %d blocks of %d tokens (%d bytes each) on %s", num_blocks,
                     block_size, self._bytes_per_block, self.device)
+
+    def _prepack_wins(self) -> bool:
+        """Time the prepacked and the reference linear on this model's shapes (one layer
+        and the LM head, a fraction of a second) and say whether prepacking is faster."""
+        weights = probe_weights(self.model)
+        if not weights or not all(dense.can_prepack(w) for w in weights):
+            return False
+        self.linear_probe = dense.prepacked_speedup(weights)
+        wins = sum(self.linear_probe.values()) < len(self.linear_probe)
+        logger.info("linear path on %s, %s, %d threads: %s (time prepacked / torch linear: "
+                    "%s)", self.device, self.dtype, torch.get_num_threads(),
+                    "prepacked" if wins else "torch linear",
+                    ", ".join(f"batch {m} {r:.2f}" for m, r in self.linear_probe.items()))
+        return wins
 
     @property
     def num_blocks(self) -> int:
