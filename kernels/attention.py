@@ -260,17 +260,26 @@ def _decode(q, k_cache, v_cache, decodes: DecodeBatch) -> torch.Tensor:
     out = q.new_empty(qh.shape)
     for group in groups:
         out[group.members] = _decode_group(qh[group.members], k_cache, v_cache, group)
+    if not decodes.singles:
+        return out.view(q.shape)
+    # NOTE: on CPU a single sequence's small bf16 matmuls cost ~100 us each in oneDNN
+    # (and, 2-threaded, wait for both cores), their fp32 form a few us (Xeon, bf16 batch
+    # 1: 16.1 vs 16.8 ms per step at best, 19 vs 98 ms median with the cores shared)
+    compute = torch.float32 if q.device.type == "cpu" else q.dtype
+    qc = qh.to(compute)
     # NOTE: per sequence, gather then use at once: the copy (at most a few hundred KB) is
     # still in cache when the matmul reads it, where one flat gather of every sequence's
     # blocks goes to memory and back. And a plain matmul/softmax/matmul beats SDPA here:
     # with a few queries per KV head its flash kernel's blocking costs more than it saves.
     for i in decodes.singles:
         length = decodes.context_lens[i]
-        kc = _gather(k_cache, decodes.block_tables[i])[:length].transpose(0, 1)
-        vc = _gather(v_cache, decodes.block_tables[i])[:length].transpose(0, 1)
-        scores = torch.matmul(qh[i], kc.transpose(1, 2))  # [KVH, group, length]
-        torch.matmul(scores.softmax(-1), vc, out=out[i])
-    return out.view(num_decodes, num_heads, head_dim)
+        kc = _gather(k_cache, decodes.block_tables[i])[:length].to(compute).transpose(0, 1)
+        vc = _gather(v_cache, decodes.block_tables[i])[:length].to(compute).transpose(0, 1)
+        # the scores and probabilities are rounded to the cache's dtype as its own
+        # matmuls would round them: only the speed changes
+        scores = torch.matmul(qc[i], kc.transpose(1, 2)).to(q.dtype)  # [KVH, group, length]
+        out[i] = torch.matmul(scores.softmax(-1).to(compute), vc)
+    return out.view(q.shape)
 
 
 def _decode_group(qh, k_cache, v_cache, group: DecodeGroup) -> torch.Tensor:

@@ -396,3 +396,26 @@ def test_runner_times_both_linear_paths_at_start_up_and_takes_the_faster(
     forced = ModelRunner(load_checkpoint(tiny_qwen3_tied_dir, dtype=dtype),
                          kv_cache_bytes=1 << 20, prepack_weights=False)
     assert forced.linear_path == "reference" and forced.linear_probe == {}
+
+
+def test_bf16_decodes_equal_fp32_attention_within_bf16_rounding():
+    """bf16 caches: grouped and single decodes (the latter computed in fp32 on CPU) give
+    bf16 rows within bf16 rounding of fp32 attention over the same values."""
+    torch.manual_seed(7)
+    block_size = 8
+    lens = [30, 31, 29, 5, 70]  # one group of three, two singles
+    kv_cache = torch.randn(40, 2, 1, block_size, 2, 16).bfloat16()
+    k_cache, v_cache = kv_cache[:, 0, 0], kv_cache[:, 1, 0]
+    free = list(range(40))
+    random.Random(7).shuffle(free)
+    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in lens]
+    meta = build_attention_metadata(kv_cache, [(n - 1, 1, t) for n, t in zip(lens, tables)])
+    assert len(meta.decodes.groups) == 1 and meta.decodes.singles == [3, 4]
+    q = torch.randn(len(lens), 4, 16).bfloat16()
+    out = kernels.paged_attention(q, None, None, k_cache, v_cache, meta)
+    assert out.dtype == torch.bfloat16
+    for i, (table, n) in enumerate(zip(tables, lens)):
+        keys = k_cache[table].flatten(0, 1)[:n].float()
+        values = v_cache[table].flatten(0, 1)[:n].float()
+        ref = _dense_attention(q[i:i + 1].float(), keys, values, n - 1)
+        assert torch.allclose(out[i:i + 1].float(), ref, atol=2e-2, rtol=2e-2), n
