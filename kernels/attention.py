@@ -37,10 +37,13 @@ _MAX_GROUP_GATHER_BYTES_CPU = 1024 * 1024
 @dataclass(slots=True)
 class PrefillChunk:
     token_start: int  # row of the chunk's first token in the flattened batch
-    num_tokens: int
+    num_tokens: int  # per sequence
     start_pos: int  # tokens of this sequence already in the cache before the chunk
     block_table: torch.Tensor | None  # [num_context_blocks] int64; None when start_pos == 0
     mask: torch.Tensor | None  # [num_tokens, start_pos + num_tokens] bool, True = attend
+    # fresh prompts of the same length, adjacent in the batch, attend as one batch
+    # (rows token_start .. token_start + num_seqs * num_tokens); 1 for any other chunk
+    num_seqs: int = 1
 
 
 @dataclass(slots=True)
@@ -104,7 +107,12 @@ def build_attention_metadata(
             slot_blocks.append(table[pos // block_size])
             slot_offsets.append(pos % block_size)
         if start == 0:
-            chunks.append(PrefillChunk(row, n, 0, None, None))
+            last = chunks[-1] if chunks else None
+            if (last is not None and last.block_table is None and last.num_tokens == n
+                    and last.token_start + last.num_seqs * n == row):
+                last.num_seqs += 1
+            else:
+                chunks.append(PrefillChunk(row, n, 0, None, None))
         else:
             keys = torch.arange(end, device=dev)
             queries = torch.arange(start, end, device=dev)
@@ -220,7 +228,7 @@ def paged_attention(
         return _decode(q, k_cache, v_cache, decodes).view(num_tokens, num_heads * head_dim)
     out = q.new_empty(num_tokens, num_heads * head_dim)
     for chunk in meta.chunks:
-        rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+        rows = slice(chunk.token_start, chunk.token_start + chunk.num_seqs * chunk.num_tokens)
         out[rows] = _chunk(q[rows], k[rows], v[rows], k_cache, v_cache, chunk).flatten(1)
     if decodes is not None:
         out[decodes.rows] = _decode(q[decodes.rows], k_cache, v_cache, decodes).flatten(1)
@@ -228,20 +236,22 @@ def paged_attention(
 
 
 def _chunk(q, k, v, k_cache, v_cache, chunk: PrefillChunk) -> torch.Tensor:
-    """[n, num_heads, head_dim] attention of one sequence's chunk."""
-    qh = q.transpose(0, 1).unsqueeze(0)  # [1, num_heads, n, head_dim]
+    """[num_seqs * n, num_heads, head_dim] attention of a chunk (of equal fresh prompts)."""
     if chunk.block_table is None:
-        # a fresh prompt: its keys are the ones just computed; plain causal attention
-        kh = k.transpose(0, 1).unsqueeze(0)
-        vh = v.transpose(0, 1).unsqueeze(0)
+        # fresh prompts: their keys are the ones just computed; plain causal attention,
+        # one batched call for all of them
+        n = chunk.num_tokens
+        qh, kh, vh = (x.view(chunk.num_seqs, n, *x.shape[1:]).transpose(1, 2)
+                      for x in (q, k, v))  # [num_seqs, heads, n, head_dim]
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
-    else:
-        # after a cached prefix: read the context back from the cache (exactly its length),
-        # and align the causal mask to its end (query i sits at position start_pos + i)
-        context_len = chunk.start_pos + chunk.num_tokens
-        kc = _gather(k_cache, chunk.block_table)[:context_len].transpose(0, 1).unsqueeze(0)
-        vc = _gather(v_cache, chunk.block_table)[:context_len].transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(qh, kc, vc, attn_mask=chunk.mask, enable_gqa=True)
+        return o.transpose(1, 2).reshape(q.shape)
+    # after a cached prefix: read the context back from the cache (exactly its length),
+    # and align the causal mask to its end (query i sits at position start_pos + i)
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, num_heads, n, head_dim]
+    context_len = chunk.start_pos + chunk.num_tokens
+    kc = _gather(k_cache, chunk.block_table)[:context_len].transpose(0, 1).unsqueeze(0)
+    vc = _gather(v_cache, chunk.block_table)[:context_len].transpose(0, 1).unsqueeze(0)
+    o = F.scaled_dot_product_attention(qh, kc, vc, attn_mask=chunk.mask, enable_gqa=True)
     return o.squeeze(0).transpose(0, 1)
 
 

@@ -419,3 +419,35 @@ def test_bf16_decodes_equal_fp32_attention_within_bf16_rounding():
         values = v_cache[table].flatten(0, 1)[:n].float()
         ref = _dense_attention(q[i:i + 1].float(), keys, values, n - 1)
         assert torch.allclose(out[i:i + 1].float(), ref, atol=2e-2, rtol=2e-2), n
+
+
+def test_fresh_prompts_of_equal_length_attend_as_one_batch():
+    """Adjacent fresh prompts of the same length merge into one chunk (one batched causal
+    call); a prompt of another length, or after a decode, starts a new chunk. Each row
+    equals dense causal attention over its own prompt."""
+    torch.manual_seed(8)
+    block_size = 4
+    kv_cache = torch.zeros(64, 2, 1, block_size, 2, 16)
+    lens = [6, 6, 6, 5, 1, 6]  # the 1 is a decode after 9 cached tokens
+    spans, next_block = [], 0
+    for n in lens:
+        start = 9 if n == 1 else 0
+        num_blocks = -(-(start + n) // block_size)
+        spans.append((start, n, list(range(next_block, next_block + num_blocks))))
+        next_block += num_blocks
+    meta = build_attention_metadata(kv_cache, spans)
+    assert [(c.token_start, c.num_tokens, c.num_seqs) for c in meta.chunks] == [
+        (0, 6, 3), (18, 5, 1), (24, 6, 1)]
+    num_tokens = sum(lens)
+    q = torch.randn(num_tokens, 4, 16)
+    k, v = torch.randn(num_tokens, 2, 16), torch.randn(num_tokens, 2, 16)
+    k_cache, v_cache = kv_cache[:, 0, 0], kv_cache[:, 1, 0]
+    kernels.store_kv(k, v, k_cache, v_cache, meta.slot_blocks, meta.slot_offsets)
+    out = kernels.paged_attention(q, k, v, k_cache, v_cache, meta)
+    row = 0
+    for n in lens:
+        if n > 1:
+            rows = slice(row, row + n)
+            ref = _dense_attention(q[rows], k[rows], v[rows], 0)
+            assert torch.allclose(out[rows], ref, atol=1e-5), n
+        row += n
