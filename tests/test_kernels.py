@@ -374,7 +374,7 @@ def test_prepack_linears_swaps_weights_in_place_once(tiny_qwen3_tied_dir):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_runner_times_both_linear_paths_at_start_up_and_takes_the_faster(
-        tiny_qwen3_tied_dir, dtype):
+        tiny_qwen3_tied_dir, dtype, monkeypatch):
     from workers.engine.loader import load_checkpoint
     from workers.engine.model_runner import ModelRunner
     from workers.engine.models.layers import probe_weights
@@ -383,6 +383,7 @@ def test_runner_times_both_linear_paths_at_start_up_and_takes_the_faster(
     shapes = [tuple(w.shape) for w in probe_weights(loaded.model)]
     # one weight per distinct shape: qkv, o, gate/up, down and the LM head
     assert len(shapes) == len(set(shapes)) == 5
+    monkeypatch.setenv("LLMQ_LINEAR_PATH", "auto")
     runner = ModelRunner(loaded, kv_cache_bytes=1 << 20)
     probe = runner.linear_probe
     assert set(probe) == {1, 16} and all(r > 0 for r in probe.values())
@@ -451,3 +452,25 @@ def test_fresh_prompts_of_equal_length_attend_as_one_batch():
             ref = _dense_attention(q[rows], k[rows], v[rows], 0)
             assert torch.allclose(out[rows], ref, atol=1e-5), n
         row += n
+
+
+@pytest.mark.parametrize("value, path", [("prepacked", "prepacked"), ("reference", "reference")])
+def test_linear_path_setting_pins_the_path_without_timing(tiny_qwen3_tied_dir, monkeypatch,
+                                                          value, path):
+    from workers.engine.loader import load_checkpoint
+    from workers.engine.model_runner import ModelRunner
+
+    monkeypatch.setenv("LLMQ_LINEAR_PATH", value)
+    runner = ModelRunner(load_checkpoint(tiny_qwen3_tied_dir, dtype="float32"),
+                         kv_cache_bytes=1 << 20)
+    assert runner.linear_path == path and runner.linear_probe == {}
+
+
+def test_a_linear_path_setting_of_no_known_path_is_refused(tiny_qwen3_tied_dir, monkeypatch):
+    from workers.engine.loader import load_checkpoint
+    from workers.engine.model_runner import ModelRunner
+
+    monkeypatch.setenv("LLMQ_LINEAR_PATH", "fastest")
+    with pytest.raises(ValueError, match="LLMQ_LINEAR_PATH='fastest'"):
+        ModelRunner(load_checkpoint(tiny_qwen3_tied_dir, dtype="float32"),
+                    kv_cache_bytes=1 << 20)

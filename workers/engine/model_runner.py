@@ -8,6 +8,7 @@ only for the last token of each sequence that samples this step.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 
 import torch
@@ -19,6 +20,9 @@ from workers.engine.models.layers import prepack_linears, probe_weights
 from workers.engine.step_io import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+LINEAR_PATH_ENV = "LLMQ_LINEAR_PATH"
+LINEAR_PATHS: dict[str, bool | None] = {"auto": None, "prepacked": True, "reference": False}
 
 
 class ModelRunner:
@@ -40,8 +44,9 @@ class ModelRunner:
     ) -> None:
         """`prepack_weights`: on CPU, True swaps each projection's weight for oneDNN's
         prepacked copy (kernels/linear.py; the plain copy is freed, the model can no longer
-        move); False keeps torch's reference `linear`; None times both on the model's own
-        shapes at batch 1 and 16 and takes the faster (`linear_path` says which)."""
+        move); False keeps torch's reference `linear`; None asks `LLMQ_LINEAR_PATH`
+        (`prepacked`, `reference`, or `auto`, the default: time both on the model's own
+        shapes at batch 1 and 16 and take the faster; `linear_path` says which)."""
         self.loaded = loaded
         self.model = loaded.model
         config = loaded.config
@@ -70,6 +75,8 @@ class ModelRunner:
         self.linear_path = "reference"
         self.linear_probe: dict[int, float] = {}
         if self.device.type == "cpu":
+            if prepack_weights is None:
+                prepack_weights = linear_path_setting()
             if prepack_weights is None:
                 prepack_weights = self._prepack_wins()
             if prepack_weights:
@@ -231,3 +238,17 @@ class ModelRunner:
                 rows.append(row - 1)
                 seqs.append(seq)
         return rows, seqs
+
+
+def linear_path_setting() -> bool | None:
+    """Whether `LLMQ_LINEAR_PATH` asks for prepacked weights (True), torch's linear
+    (False), or leaves it to the start-up timing (None: `auto` or unset).
+
+    NOTE: the timing may choose differently in two processes on a busy machine, and fp32
+    results of the two paths differ in the last bits: pin the path where processes must
+    agree to the bit (the test suite does)."""
+    value = os.environ.get(LINEAR_PATH_ENV, "auto").strip().lower()
+    if value not in LINEAR_PATHS:
+        raise ValueError(f"{LINEAR_PATH_ENV}={value!r}: expected one of "
+                         f"{', '.join(LINEAR_PATHS)}")
+    return LINEAR_PATHS[value]
