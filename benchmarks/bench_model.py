@@ -4,7 +4,8 @@ Measured in one run, beside the CPU description (model, ISA flags, threads, vers
 1. batch-1 decode milliseconds per step beside the memory-bandwidth floor: the bytes of
    weights one decode step reads, divided by the copy bandwidth measured here with a large
    tensor copy (STREAM convention: bytes read + bytes written, per second); for our
-   prepacked linear path and torch's reference `linear`, alternated, medians;
+   the linear path the runner picks at start-up ("ours") and the other one (prepacked
+   oneDNN weights or torch's reference `linear`), alternated, medians;
 2. output tokens/s at batch 1, 16 and 64 (same prompt length, same number of new tokens,
    EOS ignored) beside Hugging Face `generate` on the same prompts, same dtype.
 
@@ -106,7 +107,7 @@ def median(values: list[float]) -> float:
     return ordered[len(ordered) // 2]
 
 
-def make_bench(model_dir: str, dtype: str, prepack: bool, max_batch: int,
+def make_bench(model_dir: str, dtype: str, prepack: bool | None, max_batch: int,
                blocks_per_seq: int, prompt_len: int) -> Bench:
     loaded = load_checkpoint(model_dir, dtype=dtype)
     probe = ModelRunner(loaded, block_size=BLOCK_SIZE, kv_cache_bytes=1 << 20,
@@ -131,7 +132,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3,
                         help="alternated runs per figure; medians (and best) reported")
     parser.add_argument("--no-reference", action="store_true",
-                        help="skip torch's reference linear (the A/B of the prepacked path)")
+                        help="skip the linear path the runner did not pick (the A/B)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
@@ -148,10 +149,14 @@ def main() -> None:
     max_batch = max(batches)
     blocks_per_seq = -(-(args.prompt_len + args.new_tokens) // BLOCK_SIZE)
     shape = (max_batch, blocks_per_seq, args.prompt_len)
-    benches = {"prepacked": make_bench(model_dir, args.dtype, True, *shape)}
+    # "ours" takes the linear path the runner picks at start-up; the other path runs
+    # beside it as the A/B
+    benches = {"ours": make_bench(model_dir, args.dtype, None, *shape)}
+    runner = benches["ours"].runner
+    other = "reference" if runner.linear_path == "prepacked" else "prepacked"
     if not args.no_reference:
-        benches["reference"] = make_bench(model_dir, args.dtype, False, *shape)
-    loaded = benches["prepacked"].runner.loaded
+        benches[other] = make_bench(model_dir, args.dtype, other == "prepacked", *shape)
+    loaded = runner.loaded
     config = loaded.config
     num_params = sum(p.numel() for p in loaded.model.parameters()) + sum(
         b.numel() for b in loaded.model.buffers() if b.is_mkldnn)
@@ -165,6 +170,9 @@ def main() -> None:
     print(describe())
     print(f"model: {config.arch} {num_params / 1e6:.1f}M params, {config.dtype}; "
           f"prompt {args.prompt_len}, {args.new_tokens} new tokens")
+    probe = ", ".join(f"batch {m} {r:.2f}" for m, r in runner.linear_probe.items())
+    print(f"linear path chosen at start-up: {runner.linear_path} (time prepacked / torch "
+          f"linear on the model's shapes: {probe or 'not measured'})")
     print(f"copy bandwidth {bandwidth / 1e9:.2f} GB/s (read+write); a decode step reads "
           f"{weight_bytes / 1e6:.0f} MB of weights -> floor {floor_ms:.1f} ms/step")
 
@@ -183,9 +191,9 @@ def main() -> None:
             print(f"batch-1 decode, {threads} thread(s), {name}: median {med:.1f} ms/step "
                   f"({med / floor_ms:.2f}x the floor), best {best:.1f} ms/step "
                   f"({best / floor_ms:.2f}x)", flush=True)
-        if "reference" in step_times:
-            print(f"  prepacked / reference median: "
-                  f"{median(step_times['prepacked']) / median(step_times['reference']):.2f}")
+        if other in step_times:
+            print(f"  ours ({runner.linear_path}) / {other} median: "
+                  f"{median(step_times['ours']) / median(step_times[other]):.2f}")
     torch.set_num_threads(args.threads)
 
     from transformers import AutoModelForCausalLM

@@ -23,23 +23,36 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-# Decodes run as one padded batch when its padded slots are at most this multiple of the
-# real ones; otherwise per sequence (see `_decode`).
+# Decodes of nearly equal context lengths run together as one padded group: its padded
+# slots are at most this multiple of the real ones.
 _MAX_PADDING = 1.25
-# ... and, on CPU, when one layer's padded gather of keys is at most this big: about one
-# core's L2. Above it the gather and its transposed copy spill to memory and the loop
-# over sequences wins by 2-10x (64 decodes of 256 tokens, 2 KV heads x 32: 4.2 ms padded,
-# 1.7 ms per sequence; 64 of 64 tokens, 1 MiB: 0.28 ms padded, 1.3 ms per sequence).
-_MAX_PADDED_GATHER_BYTES_CPU = 1024 * 1024
+# ... and, on CPU, one layer's padded gather of a group's keys is at most this big. A
+# group's gather and its transposed copy must stay in cache for the matmuls that read
+# them; a loop over single sequences costs ~8 small ops per sequence and layer instead.
+# (Zen 4, fp32: 64 decodes of 256 tokens padded in one 4 MiB gather 4.2 ms, per sequence
+# 1.7 ms; 64 of 64 tokens, 1 MiB: 0.28 ms padded, 1.3 ms per sequence.)
+_MAX_GROUP_GATHER_BYTES_CPU = 1024 * 1024
 
 
 @dataclass(slots=True)
 class PrefillChunk:
     token_start: int  # row of the chunk's first token in the flattened batch
-    num_tokens: int
+    num_tokens: int  # per sequence
     start_pos: int  # tokens of this sequence already in the cache before the chunk
     block_table: torch.Tensor | None  # [num_context_blocks] int64; None when start_pos == 0
     mask: torch.Tensor | None  # [num_tokens, start_pos + num_tokens] bool, True = attend
+    # fresh prompts of the same length, adjacent in the batch, attend as one batch
+    # (rows token_start .. token_start + num_seqs * num_tokens); 1 for any other chunk
+    num_seqs: int = 1
+
+
+@dataclass(slots=True)
+class DecodeGroup:
+    """Decodes of nearly equal context lengths, attended to as one padded batch."""
+
+    members: torch.Tensor | None  # [n] int64 indices into the step's decodes; None = all
+    tables: torch.Tensor  # [n, max_num_blocks] int64, padded with each one's first block
+    mask: torch.Tensor  # [n, 1, 1, max_num_blocks * block_size] bool, True = a real key
 
 
 @dataclass(slots=True)
@@ -48,9 +61,8 @@ class DecodeBatch:
     rows_are_all: bool  # the rows are exactly 0..num_tokens-1 (a pure decode step)
     block_tables: list[torch.Tensor]  # per decode: [num_context_blocks] int64, unpadded
     context_lens: list[int]  # [num_decodes] tokens each decode attends to (new one included)
-    # Set only when the tables have nearly equal lengths, so one padded batch wastes little:
-    padded_tables: torch.Tensor | None  # [num_decodes, max_num_blocks] int64
-    mask: torch.Tensor | None  # [num_decodes, 1, 1, max_num_blocks * block_size] bool
+    groups: list[DecodeGroup]  # padded groups; the decodes in none run one by one
+    singles: list[int]  # indices of the decodes that run one by one
 
 
 @dataclass(slots=True)
@@ -95,7 +107,12 @@ def build_attention_metadata(
             slot_blocks.append(table[pos // block_size])
             slot_offsets.append(pos % block_size)
         if start == 0:
-            chunks.append(PrefillChunk(row, n, 0, None, None))
+            last = chunks[-1] if chunks else None
+            if (last is not None and last.block_table is None and last.num_tokens == n
+                    and last.token_start + last.num_seqs * n == row):
+                last.num_seqs += 1
+            else:
+                chunks.append(PrefillChunk(row, n, 0, None, None))
         else:
             keys = torch.arange(end, device=dev)
             queries = torch.arange(start, end, device=dev)
@@ -105,26 +122,14 @@ def build_attention_metadata(
         row += n
     decodes = None
     if dec_rows:
-        padded_tables: torch.Tensor | None = None
-        dec_mask: torch.Tensor | None = None
-        max_blocks = max(dec_num_blocks)
         block_bytes = block_size * kv_cache.shape[4] * kv_cache.shape[5] * kv_cache.element_size()
-        fits = (dev.type != "cpu"
-                or len(dec_rows) * max_blocks * block_bytes <= _MAX_PADDED_GATHER_BYTES_CPU)
-        if (len(dec_rows) > 1 and fits
-                and len(dec_rows) * max_blocks <= _MAX_PADDING * len(dec_blocks)):
-            padded: list[int] = []
-            start = 0
-            for count in dec_num_blocks:
-                table = dec_blocks[start:start + count]
-                # padding repeats the sequence's own first block: finite values, masked out
-                padded.extend(table + table[:1] * (max_blocks - count))
-                start += count
-            padded_tables = torch.tensor(padded, dtype=torch.int64,
-                                         device=dev).view(len(dec_rows), max_blocks)
-            keys = torch.arange(max_blocks * block_size, device=dev)
-            lens = torch.tensor(dec_lens, dtype=torch.int64, device=dev)
-            dec_mask = (keys[None, :] < lens[:, None])[:, None, None, :]
+        max_group_blocks = (_MAX_GROUP_GATHER_BYTES_CPU // block_bytes if dev.type == "cpu"
+                            else None)
+        groups, singles = _group_decodes(dec_num_blocks, max_group_blocks)
+        starts = [0]
+        for count in dec_num_blocks:
+            starts.append(starts[-1] + count)
+        tables = [dec_blocks[a:b] for a, b in zip(starts, starts[1:])]
         decodes = DecodeBatch(
             rows=torch.tensor(dec_rows, dtype=torch.int64, device=dev),
             rows_are_all=len(dec_rows) == row,
@@ -132,8 +137,10 @@ def build_attention_metadata(
             block_tables=list(torch.tensor(dec_blocks, dtype=torch.int64,
                                            device=dev).split(dec_num_blocks)),
             context_lens=dec_lens,
-            padded_tables=padded_tables,
-            mask=dec_mask,
+            groups=[_padded_group(members, tables, dec_lens, block_size, dev,
+                                  whole=len(members) == len(dec_rows))
+                    for members in groups],
+            singles=singles,
         )
     return AttentionMetadata(
         kv_cache=kv_cache,
@@ -141,6 +148,51 @@ def build_attention_metadata(
         slot_offsets=torch.tensor(slot_offsets, dtype=torch.int64, device=dev),
         chunks=chunks,
         decodes=decodes,
+    )
+
+
+def _group_decodes(num_blocks: list[int], max_group_blocks: int | None
+                   ) -> tuple[list[list[int]], list[int]]:
+    """Split decodes (by their tables' lengths) into padded groups and singles.
+
+    Sorted by length, a group grows while its padded slots stay within `_MAX_PADDING` of
+    its real ones and its padded gather within `max_group_blocks` (None: no limit)."""
+    order = sorted(range(len(num_blocks)), key=num_blocks.__getitem__)
+    groups: list[list[int]] = []
+    singles: list[int] = []
+    current: list[int] = []
+    real = 0
+    for i in order + [-1]:
+        n = num_blocks[i] if i >= 0 else 0
+        grows = (i >= 0 and current
+                 and (len(current) + 1) * n <= _MAX_PADDING * (real + n)
+                 and (max_group_blocks is None or (len(current) + 1) * n <= max_group_blocks))
+        if grows:
+            current.append(i)
+            real += n
+            continue
+        if len(current) > 1:
+            groups.append(sorted(current))
+        else:
+            singles.extend(current)
+        current, real = [i], n
+    return groups, sorted(singles)
+
+
+def _padded_group(members: list[int], tables: list[list[int]], lens: list[int],
+                  block_size: int, dev: torch.device, whole: bool) -> DecodeGroup:
+    max_blocks = max(len(tables[i]) for i in members)
+    padded: list[int] = []
+    for i in members:
+        # padding repeats the sequence's own first block: finite values, masked out
+        padded.extend(tables[i] + tables[i][:1] * (max_blocks - len(tables[i])))
+    keys = torch.arange(max_blocks * block_size, device=dev)
+    group_lens = torch.tensor([lens[i] for i in members], dtype=torch.int64, device=dev)
+    return DecodeGroup(
+        members=None if whole else torch.tensor(members, dtype=torch.int64, device=dev),
+        tables=torch.tensor(padded, dtype=torch.int64, device=dev).view(len(members),
+                                                                       max_blocks),
+        mask=(keys[None, :] < group_lens[:, None])[:, None, None, :],
     )
 
 
@@ -176,7 +228,7 @@ def paged_attention(
         return _decode(q, k_cache, v_cache, decodes).view(num_tokens, num_heads * head_dim)
     out = q.new_empty(num_tokens, num_heads * head_dim)
     for chunk in meta.chunks:
-        rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+        rows = slice(chunk.token_start, chunk.token_start + chunk.num_seqs * chunk.num_tokens)
         out[rows] = _chunk(q[rows], k[rows], v[rows], k_cache, v_cache, chunk).flatten(1)
     if decodes is not None:
         out[decodes.rows] = _decode(q[decodes.rows], k_cache, v_cache, decodes).flatten(1)
@@ -184,20 +236,22 @@ def paged_attention(
 
 
 def _chunk(q, k, v, k_cache, v_cache, chunk: PrefillChunk) -> torch.Tensor:
-    """[n, num_heads, head_dim] attention of one sequence's chunk."""
-    qh = q.transpose(0, 1).unsqueeze(0)  # [1, num_heads, n, head_dim]
+    """[num_seqs * n, num_heads, head_dim] attention of a chunk (of equal fresh prompts)."""
     if chunk.block_table is None:
-        # a fresh prompt: its keys are the ones just computed; plain causal attention
-        kh = k.transpose(0, 1).unsqueeze(0)
-        vh = v.transpose(0, 1).unsqueeze(0)
+        # fresh prompts: their keys are the ones just computed; plain causal attention,
+        # one batched call for all of them
+        n = chunk.num_tokens
+        qh, kh, vh = (x.view(chunk.num_seqs, n, *x.shape[1:]).transpose(1, 2)
+                      for x in (q, k, v))  # [num_seqs, heads, n, head_dim]
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
-    else:
-        # after a cached prefix: read the context back from the cache (exactly its length),
-        # and align the causal mask to its end (query i sits at position start_pos + i)
-        context_len = chunk.start_pos + chunk.num_tokens
-        kc = _gather(k_cache, chunk.block_table)[:context_len].transpose(0, 1).unsqueeze(0)
-        vc = _gather(v_cache, chunk.block_table)[:context_len].transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(qh, kc, vc, attn_mask=chunk.mask, enable_gqa=True)
+        return o.transpose(1, 2).reshape(q.shape)
+    # after a cached prefix: read the context back from the cache (exactly its length),
+    # and align the causal mask to its end (query i sits at position start_pos + i)
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, num_heads, n, head_dim]
+    context_len = chunk.start_pos + chunk.num_tokens
+    kc = _gather(k_cache, chunk.block_table)[:context_len].transpose(0, 1).unsqueeze(0)
+    vc = _gather(v_cache, chunk.block_table)[:context_len].transpose(0, 1).unsqueeze(0)
+    o = F.scaled_dot_product_attention(qh, kc, vc, attn_mask=chunk.mask, enable_gqa=True)
     return o.squeeze(0).transpose(0, 1)
 
 
@@ -210,28 +264,50 @@ def _decode(q, k_cache, v_cache, decodes: DecodeBatch) -> torch.Tensor:
     # repetition for GQA, and one matmul per sequence instead of one per head.
     qh = (q * head_dim**-0.5).view(num_decodes, num_kv_heads, num_heads // num_kv_heads,
                                    head_dim)
-    if decodes.padded_tables is not None and decodes.mask is not None:
-        # nearly equal lengths: one batched gather and two batched matmuls beat a loop of
-        # small ops (at 64 short contexts the loop's per-op overhead dominates)
-        num_padded = decodes.padded_tables.shape[1] * k_cache.shape[1]
-        kc = _gather(k_cache, decodes.padded_tables.flatten())
-        vc = _gather(v_cache, decodes.padded_tables.flatten())
-        kc = kc.view(num_decodes, num_padded, num_kv_heads, head_dim).transpose(1, 2)
-        vc = vc.view(num_decodes, num_padded, num_kv_heads, head_dim).transpose(1, 2)
-        scores = torch.matmul(qh, kc.transpose(2, 3))  # [num_decodes, KVH, group, padded]
-        scores.masked_fill_(~decodes.mask, float("-inf"))
-        return torch.matmul(scores.softmax(-1), vc).view(num_decodes, num_heads, head_dim)
+    groups = decodes.groups
+    if len(groups) == 1 and groups[0].members is None:
+        return _decode_group(qh, k_cache, v_cache, groups[0]).view(q.shape)
     out = q.new_empty(qh.shape)
+    for group in groups:
+        out[group.members] = _decode_group(qh[group.members], k_cache, v_cache, group)
+    if not decodes.singles:
+        return out.view(q.shape)
+    # NOTE: on CPU a single sequence's small bf16 matmuls cost ~100 us each in oneDNN
+    # (and, 2-threaded, wait for both cores), their fp32 form a few us (Xeon, bf16 batch
+    # 1: 16.1 vs 16.8 ms per step at best, 19 vs 98 ms median with the cores shared)
+    compute = torch.float32 if q.device.type == "cpu" else q.dtype
+    qc = qh.to(compute)
     # NOTE: per sequence, gather then use at once: the copy (at most a few hundred KB) is
     # still in cache when the matmul reads it, where one flat gather of every sequence's
     # blocks goes to memory and back. And a plain matmul/softmax/matmul beats SDPA here:
     # with a few queries per KV head its flash kernel's blocking costs more than it saves.
-    for i, (table, length) in enumerate(zip(decodes.block_tables, decodes.context_lens)):
-        kc = _gather(k_cache, table)[:length].transpose(0, 1)  # [KVH, length, D]
-        vc = _gather(v_cache, table)[:length].transpose(0, 1)
-        scores = torch.matmul(qh[i], kc.transpose(1, 2))  # [KVH, group, length]
-        torch.matmul(scores.softmax(-1), vc, out=out[i])
-    return out.view(num_decodes, num_heads, head_dim)
+    for i in decodes.singles:
+        length = decodes.context_lens[i]
+        kc = _gather(k_cache, decodes.block_tables[i])[:length].to(compute).transpose(0, 1)
+        vc = _gather(v_cache, decodes.block_tables[i])[:length].to(compute).transpose(0, 1)
+        # the scores and probabilities are rounded to the cache's dtype as its own
+        # matmuls would round them: only the speed changes
+        scores = torch.matmul(qc[i], kc.transpose(1, 2)).to(q.dtype)  # [KVH, group, length]
+        out[i] = torch.matmul(scores.softmax(-1).to(compute), vc)
+    return out.view(q.shape)
+
+
+def _decode_group(qh, k_cache, v_cache, group: DecodeGroup) -> torch.Tensor:
+    """[n, num_kv_heads, group, head_dim] attention of a padded group's decodes: one
+    batched gather and two batched matmuls instead of a loop of small ops."""
+    num_decodes, num_kv_heads, _, head_dim = qh.shape
+    num_padded = group.tables.shape[1] * k_cache.shape[1]
+    kc = _gather(k_cache, group.tables.flatten())
+    vc = _gather(v_cache, group.tables.flatten())
+    kc = kc.view(num_decodes, num_padded, num_kv_heads, head_dim).transpose(1, 2)
+    vc = vc.view(num_decodes, num_padded, num_kv_heads, head_dim)
+    # NOTE: a padded slot's probability is 0, but 0 * NaN is NaN: zero the padded values
+    # (the gather is a fresh copy), so whatever an unwritten slot holds never leaks in
+    vc.masked_fill_(~group.mask.view(num_decodes, num_padded, 1, 1), 0)
+    vc = vc.transpose(1, 2)
+    scores = torch.matmul(qh, kc.transpose(2, 3))  # [n, KVH, group, padded]
+    scores.masked_fill_(~group.mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1), vc)
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

@@ -8,5 +8,8 @@ import os
 # before anything loads a model: worker subprocesses inherit the variable, and the loader
 # reads it for "auto" (tests of bf16 itself pass dtype="bfloat16").
 os.environ["LLMQ_DTYPE"] = "float32"
+# The same for the linear path: the start-up timing could pick another one in a worker
+# subprocess than in the test process, and fp32 results differ in the last bits between them.
+os.environ["LLMQ_LINEAR_PATH"] = "prepacked"
 
 pytest_plugins = ["tests.fixtures_models", "tests.fixtures_services"]

@@ -168,7 +168,7 @@ def test_decode_batch_padded_or_per_sequence_equals_dense(lens):
     tables = [[free.pop() for _ in range(-(-n // block_size))] for n in lens]
     meta = build_attention_metadata(kv_cache, [(n - 1, 1, t) for n, t in zip(lens, tables)])
     assert meta.decodes is not None
-    assert (meta.decodes.padded_tables is not None) == (lens == [30, 31, 25, 32])
+    assert bool(meta.decodes.groups) == (lens == [30, 31, 25, 32])
     q = torch.randn(len(lens), 6, 16)
     out = kernels.paged_attention(q, None, None, k_cache, v_cache, meta)
     for i, (table, n) in enumerate(zip(tables, lens)):
@@ -176,6 +176,51 @@ def test_decode_batch_padded_or_per_sequence_equals_dense(lens):
         values = v_cache[table].flatten(0, 1)[:n]
         ref = _dense_attention(q[i:i + 1], keys, values, n - 1)
         assert torch.allclose(out[i:i + 1], ref, atol=1e-5), n
+
+
+def test_decode_groups_of_similar_lengths_and_singles_beside_a_prompt_chunk():
+    """Decodes sorted into padded groups of nearly equal lengths (in any order in the
+    batch) and singles, in a step that also runs a prompt chunk: every row equals dense
+    attention over exactly its context."""
+    torch.manual_seed(6)
+    block_size = 8
+    lens = [30, 100, 31, 5, 25, 32, 29]  # blocks 4, 13, 4, 1, 4, 4, 4
+    kv_cache = torch.randn(64, 2, 1, block_size, 2, 16)
+    k_cache, v_cache = kv_cache[:, 0, 0], kv_cache[:, 1, 0]
+    free = list(range(8, 64))
+    random.Random(6).shuffle(free)
+    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in lens]
+    chunk_len = 6  # a fresh prompt in blocks 0..7, between the decodes
+    spans = [(n - 1, 1, t) for n, t in zip(lens, tables)]
+    spans.insert(3, (0, chunk_len, list(range(8))))
+    meta = build_attention_metadata(kv_cache, spans)
+    decodes = meta.decodes
+    assert decodes is not None and not decodes.rows_are_all
+    assert [g.members.tolist() for g in decodes.groups] == [[0, 2, 4, 5, 6]]
+    assert decodes.singles == [1, 3]
+    num_tokens = len(lens) + chunk_len
+    q = torch.randn(num_tokens, 6, 16)
+    k_new, v_new = torch.randn(num_tokens, 2, 16), torch.randn(num_tokens, 2, 16)
+    kernels.store_kv(k_new, v_new, k_cache, v_cache, meta.slot_blocks, meta.slot_offsets)
+    out = kernels.paged_attention(q, k_new, v_new, k_cache, v_cache, meta)
+    rows = [0, 1, 2] + [3 + chunk_len + i for i in range(4)]
+    for row, table, n in zip(rows, tables, lens):
+        keys = k_cache[table].flatten(0, 1)[:n]
+        values = v_cache[table].flatten(0, 1)[:n]
+        ref = _dense_attention(q[row:row + 1], keys, values, n - 1)
+        assert torch.allclose(out[row:row + 1], ref, atol=1e-5), n
+    ref = _dense_attention(q[3:3 + chunk_len], k_new[3:3 + chunk_len],
+                           v_new[3:3 + chunk_len], 0)
+    assert torch.allclose(out[3:3 + chunk_len], ref, atol=1e-5)
+
+
+def test_decode_groups_keep_their_padded_gather_within_the_budget():
+    from kernels.attention import _group_decodes
+
+    groups, singles = _group_decodes([5] * 10, max_group_blocks=20)
+    assert groups == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]] and singles == []
+    groups, singles = _group_decodes([2, 9, 2, 3, 1], max_group_blocks=None)
+    assert groups == [[0, 2]] and singles == [1, 3, 4]
 
 
 def test_decode_reads_exactly_its_context():
@@ -325,3 +370,107 @@ def test_prepack_linears_swaps_weights_in_place_once(tiny_qwen3_tied_dir):
         # the plain projection weights are gone, not kept beside their packed copies
         packed = sum(b.numel() for b in model.buffers() if b.is_mkldnn)
         assert packed and sum(p.numel() for p in model.parameters()) == num_params - packed
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_runner_times_both_linear_paths_at_start_up_and_takes_the_faster(
+        tiny_qwen3_tied_dir, dtype, monkeypatch):
+    from workers.engine.loader import load_checkpoint
+    from workers.engine.model_runner import ModelRunner
+    from workers.engine.models.layers import probe_weights
+
+    loaded = load_checkpoint(tiny_qwen3_tied_dir, dtype=dtype)
+    shapes = [tuple(w.shape) for w in probe_weights(loaded.model)]
+    # one weight per distinct shape: qkv, o, gate/up, down and the LM head
+    assert len(shapes) == len(set(shapes)) == 5
+    monkeypatch.setenv("LLMQ_LINEAR_PATH", "auto")
+    runner = ModelRunner(loaded, kv_cache_bytes=1 << 20)
+    probe = runner.linear_probe
+    assert set(probe) == {1, 16} and all(r > 0 for r in probe.values())
+    packed = [b for b in loaded.model.buffers() if b.is_mkldnn]
+    if sum(probe.values()) < len(probe):
+        assert runner.linear_path == "prepacked" and packed
+        assert probe_weights(loaded.model) == []
+    else:
+        assert runner.linear_path == "reference" and not packed
+    # forced either way, no timing
+    forced = ModelRunner(load_checkpoint(tiny_qwen3_tied_dir, dtype=dtype),
+                         kv_cache_bytes=1 << 20, prepack_weights=False)
+    assert forced.linear_path == "reference" and forced.linear_probe == {}
+
+
+def test_bf16_decodes_equal_fp32_attention_within_bf16_rounding():
+    """bf16 caches: grouped and single decodes (the latter computed in fp32 on CPU) give
+    bf16 rows within bf16 rounding of fp32 attention over the same values."""
+    torch.manual_seed(7)
+    block_size = 8
+    lens = [30, 31, 29, 5, 70]  # one group of three, two singles
+    kv_cache = torch.randn(40, 2, 1, block_size, 2, 16).bfloat16()
+    k_cache, v_cache = kv_cache[:, 0, 0], kv_cache[:, 1, 0]
+    free = list(range(40))
+    random.Random(7).shuffle(free)
+    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in lens]
+    meta = build_attention_metadata(kv_cache, [(n - 1, 1, t) for n, t in zip(lens, tables)])
+    assert len(meta.decodes.groups) == 1 and meta.decodes.singles == [3, 4]
+    q = torch.randn(len(lens), 4, 16).bfloat16()
+    out = kernels.paged_attention(q, None, None, k_cache, v_cache, meta)
+    assert out.dtype == torch.bfloat16
+    for i, (table, n) in enumerate(zip(tables, lens)):
+        keys = k_cache[table].flatten(0, 1)[:n].float()
+        values = v_cache[table].flatten(0, 1)[:n].float()
+        ref = _dense_attention(q[i:i + 1].float(), keys, values, n - 1)
+        assert torch.allclose(out[i:i + 1].float(), ref, atol=2e-2, rtol=2e-2), n
+
+
+def test_fresh_prompts_of_equal_length_attend_as_one_batch():
+    """Adjacent fresh prompts of the same length merge into one chunk (one batched causal
+    call); a prompt of another length, or after a decode, starts a new chunk. Each row
+    equals dense causal attention over its own prompt."""
+    torch.manual_seed(8)
+    block_size = 4
+    kv_cache = torch.zeros(64, 2, 1, block_size, 2, 16)
+    lens = [6, 6, 6, 5, 1, 6]  # the 1 is a decode after 9 cached tokens
+    spans, next_block = [], 0
+    for n in lens:
+        start = 9 if n == 1 else 0
+        num_blocks = -(-(start + n) // block_size)
+        spans.append((start, n, list(range(next_block, next_block + num_blocks))))
+        next_block += num_blocks
+    meta = build_attention_metadata(kv_cache, spans)
+    assert [(c.token_start, c.num_tokens, c.num_seqs) for c in meta.chunks] == [
+        (0, 6, 3), (18, 5, 1), (24, 6, 1)]
+    num_tokens = sum(lens)
+    q = torch.randn(num_tokens, 4, 16)
+    k, v = torch.randn(num_tokens, 2, 16), torch.randn(num_tokens, 2, 16)
+    k_cache, v_cache = kv_cache[:, 0, 0], kv_cache[:, 1, 0]
+    kernels.store_kv(k, v, k_cache, v_cache, meta.slot_blocks, meta.slot_offsets)
+    out = kernels.paged_attention(q, k, v, k_cache, v_cache, meta)
+    row = 0
+    for n in lens:
+        if n > 1:
+            rows = slice(row, row + n)
+            ref = _dense_attention(q[rows], k[rows], v[rows], 0)
+            assert torch.allclose(out[rows], ref, atol=1e-5), n
+        row += n
+
+
+@pytest.mark.parametrize("value, path", [("prepacked", "prepacked"), ("reference", "reference")])
+def test_linear_path_setting_pins_the_path_without_timing(tiny_qwen3_tied_dir, monkeypatch,
+                                                          value, path):
+    from workers.engine.loader import load_checkpoint
+    from workers.engine.model_runner import ModelRunner
+
+    monkeypatch.setenv("LLMQ_LINEAR_PATH", value)
+    runner = ModelRunner(load_checkpoint(tiny_qwen3_tied_dir, dtype="float32"),
+                         kv_cache_bytes=1 << 20)
+    assert runner.linear_path == path and runner.linear_probe == {}
+
+
+def test_a_linear_path_setting_of_no_known_path_is_refused(tiny_qwen3_tied_dir, monkeypatch):
+    from workers.engine.loader import load_checkpoint
+    from workers.engine.model_runner import ModelRunner
+
+    monkeypatch.setenv("LLMQ_LINEAR_PATH", "fastest")
+    with pytest.raises(ValueError, match="LLMQ_LINEAR_PATH='fastest'"):
+        ModelRunner(load_checkpoint(tiny_qwen3_tied_dir, dtype="float32"),
+                    kv_cache_bytes=1 << 20)

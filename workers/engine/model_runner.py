@@ -8,16 +8,21 @@ only for the last token of each sequence that samples this step.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 
 import torch
 
+from kernels import linear as dense
 from kernels.attention import build_attention_metadata
 from workers.engine.loader import LoadedCheckpoint
-from workers.engine.models.layers import prepack_linears
+from workers.engine.models.layers import prepack_linears, probe_weights
 from workers.engine.step_io import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+LINEAR_PATH_ENV = "LLMQ_LINEAR_PATH"
+LINEAR_PATHS: dict[str, bool | None] = {"auto": None, "prepacked": True, "reference": False}
 
 
 class ModelRunner:
@@ -35,11 +40,13 @@ class ModelRunner:
         kv_cache_bytes: int = 256 << 20,
         max_num_batched_tokens: int = 8192,
         max_num_seqs: int = 256,
-        prepack_weights: bool = True,
+        prepack_weights: bool | None = None,
     ) -> None:
-        """`prepack_weights`: on CPU, swap each projection's weight for oneDNN's prepacked
-        copy (kernels/linear.py; the plain copy is freed, the model can no longer move);
-        False keeps torch's reference `linear`."""
+        """`prepack_weights`: on CPU, True swaps each projection's weight for oneDNN's
+        prepacked copy (kernels/linear.py; the plain copy is freed, the model can no longer
+        move); False keeps torch's reference `linear`; None asks `LLMQ_LINEAR_PATH`
+        (`prepacked`, `reference`, or `auto`, the default: time both on the model's own
+        shapes at batch 1 and 16 and take the faster; `linear_path` says which)."""
         self.loaded = loaded
         self.model = loaded.model
         config = loaded.config
@@ -63,15 +70,39 @@ class ModelRunner:
         self.kv_cache = torch.zeros((num_blocks, *self._block_shape), dtype=self.dtype,
                                     device=self.device)
         self._sample: Callable | None = None
-        if prepack_weights and self.device.type == "cpu":
-            num_packed = prepack_linears(self.model)
-            logger.info("linear layers on %s: %d weights prepacked for oneDNN (%s)",
-                        self.device, num_packed, self.dtype)
+        # "prepacked" (oneDNN) or "reference" (torch's linear); the batch size -> time
+        # ratio prepacked / reference measured at start-up, when it was
+        self.linear_path = "reference"
+        self.linear_probe: dict[int, float] = {}
+        if self.device.type == "cpu":
+            if prepack_weights is None:
+                prepack_weights = linear_path_setting()
+            if prepack_weights is None:
+                prepack_weights = self._prepack_wins()
+            if prepack_weights:
+                num_packed = prepack_linears(self.model)
+                self.linear_path = "prepacked"
+                logger.info("linear layers on %s: %d weights prepacked for oneDNN (%s)",
+                            self.device, num_packed, self.dtype)
         from kernels import dispatch
 
         dispatch.log_choices(self.device.type)
         logger.info("KV cache: %d blocks of %d tokens (%d bytes each) on %s", num_blocks,
                     block_size, self._bytes_per_block, self.device)
+
+    def _prepack_wins(self) -> bool:
+        """Time the prepacked and the reference linear on this model's shapes (one layer
+        and the LM head, a fraction of a second) and say whether prepacking is faster."""
+        weights = probe_weights(self.model)
+        if not weights or not all(dense.can_prepack(w) for w in weights):
+            return False
+        self.linear_probe = dense.prepacked_speedup(weights)
+        wins = sum(self.linear_probe.values()) < len(self.linear_probe)
+        logger.info("linear path on %s, %s, %d threads: %s (time prepacked / torch linear: "
+                    "%s)", self.device, self.dtype, torch.get_num_threads(),
+                    "prepacked" if wins else "torch linear",
+                    ", ".join(f"batch {m} {r:.2f}" for m, r in self.linear_probe.items()))
+        return wins
 
     @property
     def num_blocks(self) -> int:
@@ -207,3 +238,17 @@ class ModelRunner:
                 rows.append(row - 1)
                 seqs.append(seq)
         return rows, seqs
+
+
+def linear_path_setting() -> bool | None:
+    """Whether `LLMQ_LINEAR_PATH` asks for prepacked weights (True), torch's linear
+    (False), or leaves it to the start-up timing (None: `auto` or unset).
+
+    NOTE: the timing may choose differently in two processes on a busy machine, and fp32
+    results of the two paths differ in the last bits: pin the path where processes must
+    agree to the bit (the test suite does)."""
+    value = os.environ.get(LINEAR_PATH_ENV, "auto").strip().lower()
+    if value not in LINEAR_PATHS:
+        raise ValueError(f"{LINEAR_PATH_ENV}={value!r}: expected one of "
+                         f"{', '.join(LINEAR_PATHS)}")
+    return LINEAR_PATHS[value]

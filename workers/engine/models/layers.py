@@ -228,3 +228,16 @@ def prepack_linears(model: nn.Module) -> int:
     their device; calling again changes nothing."""
     return sum(module.prepack() for module in model.modules()
                if isinstance(module, LinearBase | ParallelLMHead))
+
+
+def probe_weights(model: nn.Module) -> list[torch.Tensor]:
+    """One plain projection weight of each distinct shape in `model` (every decoder layer
+    has the same shapes, the LM head its own): what a start-up timing of the linear paths
+    needs to be representative. Empty once the weights are prepacked."""
+    by_shape: dict[tuple[int, ...], torch.Tensor] = {}
+    for module in model.modules():
+        packed = (isinstance(module, ParallelLMHead) and module.packed_weight is not None
+                  or isinstance(module, LinearBase) and module.weight.is_mkldnn)
+        if isinstance(module, LinearBase | ParallelLMHead) and not packed:
+            by_shape.setdefault(tuple(module.weight.shape), module.weight)
+    return list(by_shape.values())
