@@ -107,15 +107,15 @@ def median(values: list[float]) -> float:
     return ordered[len(ordered) // 2]
 
 
-def make_bench(model_dir: str, dtype: str, prepack: bool | None, max_batch: int,
+def make_bench(model_dir: str, dtype: str, linear_path: str | None, max_batch: int,
                blocks_per_seq: int, prompt_len: int) -> Bench:
     loaded = load_checkpoint(model_dir, dtype=dtype)
     probe = ModelRunner(loaded, block_size=BLOCK_SIZE, kv_cache_bytes=1 << 20,
-                        prepack_weights=False)
+                        linear_path="reference")
     runner = ModelRunner(loaded, block_size=BLOCK_SIZE,
                          kv_cache_bytes=probe.bytes_per_block * blocks_per_seq * max_batch,
                          max_num_batched_tokens=max_batch * prompt_len,
-                         max_num_seqs=max_batch, prepack_weights=prepack)
+                         max_num_seqs=max_batch, linear_path=linear_path)
     return Bench(runner)
 
 
@@ -153,9 +153,9 @@ def main() -> None:
     # beside it as the A/B
     benches = {"ours": make_bench(model_dir, args.dtype, None, *shape)}
     runner = benches["ours"].runner
-    other = "reference" if runner.linear_path == "prepacked" else "prepacked"
+    other = "prepacked" if runner.linear_path == "reference" else "reference"
     if not args.no_reference:
-        benches[other] = make_bench(model_dir, args.dtype, other == "prepacked", *shape)
+        benches[other] = make_bench(model_dir, args.dtype, other, *shape)
     loaded = runner.loaded
     config = loaded.config
     num_params = sum(p.numel() for p in loaded.model.parameters()) + sum(

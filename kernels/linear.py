@@ -21,6 +21,8 @@ PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 # the batch size the blocked layout is tuned for; any M runs on it (decode batches are
 # 1..max_num_seqs rows, prefills hundreds)
 PACK_BATCH_HINT = 16
+# the row counts the start-up timing compares the two paths at
+PROBE_BATCH_SIZES = (1, 4, 16)
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
@@ -44,7 +46,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     return F.linear(x, weight, bias)
 
 
-def prepacked_speedup(weights: list[torch.Tensor], batch_sizes: tuple[int, ...] = (1, 16),
+def prepacked_speedup(weights: list[torch.Tensor],
+                      batch_sizes: tuple[int, ...] = PROBE_BATCH_SIZES,
                       rounds: int = 7) -> dict[int, float]:
     """Per batch size M: median time of the prepacked path over torch's `linear` for
     `x [M, in] @ w^T` summed over `weights` (below 1: prepacking wins).
@@ -68,3 +71,21 @@ def prepacked_speedup(weights: list[torch.Tensor], batch_sizes: tuple[int, ...] 
                         times[use_packed].append(time.perf_counter() - start)
             ratios[m] = statistics.median(times[True]) / statistics.median(times[False])
     return ratios
+
+
+def plain_rows_limit(ratios: dict[int, float]) -> int | None:
+    """From `prepacked_speedup`'s ratios: None when one path wins at every probed M (the
+    caller keeps that one alone); else the largest M up to which torch's `linear` is
+    faster while prepacking wins above it: keep both copies and split the calls there.
+
+    NOTE: a split doubles the projection weights' memory; it is what a Xeon with AMX
+    gives in fp32 (MKL reads faster at M=1, oneDNN's packing wins at M=16)."""
+    sizes = sorted(ratios)
+    plain = [m for m in sizes if ratios[m] >= 1.0]
+    if not plain or len(plain) == len(sizes):
+        return None
+    limit = max(plain)
+    if any(ratios[m] >= 1.0 for m in sizes if m > limit) or any(
+            ratios[m] < 1.0 for m in sizes if m <= limit):
+        return None  # no single crossover (noise): one path for every M
+    return limit

@@ -375,6 +375,7 @@ def test_prepack_linears_swaps_weights_in_place_once(tiny_qwen3_tied_dir):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_runner_times_both_linear_paths_at_start_up_and_takes_the_faster(
         tiny_qwen3_tied_dir, dtype, monkeypatch):
+    from kernels.linear import plain_rows_limit
     from workers.engine.loader import load_checkpoint
     from workers.engine.model_runner import ModelRunner
     from workers.engine.models.layers import probe_weights
@@ -386,16 +387,20 @@ def test_runner_times_both_linear_paths_at_start_up_and_takes_the_faster(
     monkeypatch.setenv("LLMQ_LINEAR_PATH", "auto")
     runner = ModelRunner(loaded, kv_cache_bytes=1 << 20)
     probe = runner.linear_probe
-    assert set(probe) == {1, 16} and all(r > 0 for r in probe.values())
+    assert set(probe) == {1, 4, 16} and all(r > 0 for r in probe.values())
     packed = [b for b in loaded.model.buffers() if b.is_mkldnn]
-    if sum(probe.values()) < len(probe):
+    split = plain_rows_limit(probe)
+    if split is not None:
+        assert runner.linear_path == "split" and runner.plain_rows == split and not packed
+        assert probe_weights(loaded.model) == []  # every projection has its packed copy
+    elif sum(probe.values()) < len(probe):
         assert runner.linear_path == "prepacked" and packed
         assert probe_weights(loaded.model) == []
     else:
         assert runner.linear_path == "reference" and not packed
     # forced either way, no timing
     forced = ModelRunner(load_checkpoint(tiny_qwen3_tied_dir, dtype=dtype),
-                         kv_cache_bytes=1 << 20, prepack_weights=False)
+                         kv_cache_bytes=1 << 20, linear_path="reference")
     assert forced.linear_path == "reference" and forced.linear_probe == {}
 
 
@@ -454,7 +459,8 @@ def test_fresh_prompts_of_equal_length_attend_as_one_batch():
         row += n
 
 
-@pytest.mark.parametrize("value, path", [("prepacked", "prepacked"), ("reference", "reference")])
+@pytest.mark.parametrize("value, path", [("prepacked", "prepacked"), ("reference", "reference"),
+                                         ("split", "split")])
 def test_linear_path_setting_pins_the_path_without_timing(tiny_qwen3_tied_dir, monkeypatch,
                                                           value, path):
     from workers.engine.loader import load_checkpoint
@@ -474,3 +480,43 @@ def test_a_linear_path_setting_of_no_known_path_is_refused(tiny_qwen3_tied_dir, 
     with pytest.raises(ValueError, match="LLMQ_LINEAR_PATH='fastest'"):
         ModelRunner(load_checkpoint(tiny_qwen3_tied_dir, dtype="float32"),
                     kv_cache_bytes=1 << 20)
+
+
+@pytest.mark.parametrize("ratios, limit", [
+    ({1: 1.2, 4: 1.05, 16: 0.7}, 4),  # torch's linear wins up to 4 rows: split there
+    ({1: 1.2, 4: 0.9, 16: 0.7}, 1),
+    ({1: 0.7, 4: 0.8, 16: 0.6}, None),  # prepacked wins everywhere
+    ({1: 1.3, 4: 1.1, 16: 1.2}, None),  # torch's linear wins everywhere
+    ({1: 1.2, 4: 0.9, 16: 1.1}, None),  # no single crossover: no split
+    ({1: 0.9, 4: 1.1, 16: 1.2}, None),  # prepacked only at few rows: no split
+])
+def test_a_split_is_taken_only_at_one_crossover_from_torch_linear_to_prepacked(ratios, limit):
+    from kernels.linear import plain_rows_limit
+
+    assert plain_rows_limit(ratios) == limit
+
+
+def test_a_split_layer_computes_few_rows_with_the_plain_weight_and_more_with_the_packed(
+        tiny_qwen3_tied_dir):
+    from kernels import linear as dense
+    from workers.engine.loader import load_checkpoint
+    from workers.engine.models.layers import LinearBase, ParallelLMHead
+
+    model = load_checkpoint(tiny_qwen3_tied_dir, dtype="float32").model
+    layer = next(m for m in model.modules() if isinstance(m, LinearBase))
+    head = next(m for m in model.modules() if isinstance(m, ParallelLMHead))
+    weight, head_weight = layer.weight.detach().clone(), head.weight.detach().clone()
+    assert layer.prepack(plain_rows=2) and head.prepack(plain_rows=2)
+    assert not layer.weight.is_mkldnn and layer.packed_weight.is_mkldnn
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for rows in (1, 2, 3, 8):
+            x = torch.randn(rows, weight.shape[1], generator=gen)
+            h = torch.randn(rows, head_weight.shape[1], generator=gen)
+            if rows <= 2:
+                assert torch.equal(layer(x), torch.nn.functional.linear(x, weight))
+                assert torch.equal(head.compute_logits(h), h @ head_weight.T)
+            else:
+                assert torch.equal(layer(x), dense.linear(x, dense.prepack(weight)))
+                assert torch.equal(head.compute_logits(h),
+                                   dense.linear(h, dense.prepack(head_weight)))

@@ -22,7 +22,7 @@ from workers.engine.step_io import ModelRunnerOutput, ScheduledSequence, Schedul
 logger = logging.getLogger(__name__)
 
 LINEAR_PATH_ENV = "LLMQ_LINEAR_PATH"
-LINEAR_PATHS: dict[str, bool | None] = {"auto": None, "prepacked": True, "reference": False}
+LINEAR_PATHS = ("auto", "prepacked", "reference", "split")
 
 
 class ModelRunner:
@@ -40,13 +40,15 @@ class ModelRunner:
         kv_cache_bytes: int = 256 << 20,
         max_num_batched_tokens: int = 8192,
         max_num_seqs: int = 256,
-        prepack_weights: bool | None = None,
+        linear_path: str | None = None,
     ) -> None:
-        """`prepack_weights`: on CPU, True swaps each projection's weight for oneDNN's
+        """`linear_path` (CPU): `prepacked` swaps each projection's weight for oneDNN's
         prepacked copy (kernels/linear.py; the plain copy is freed, the model can no longer
-        move); False keeps torch's reference `linear`; None asks `LLMQ_LINEAR_PATH`
-        (`prepacked`, `reference`, or `auto`, the default: time both on the model's own
-        shapes at batch 1 and 16 and take the faster; `linear_path` says which)."""
+        move); `reference` keeps torch's `linear`; `split` keeps both and gives the calls
+        of few rows to torch's `linear` (twice the projection memory); `auto` times both
+        on the model's own shapes at start-up and takes what wins at each probed row
+        count; None: `LLMQ_LINEAR_PATH` (default `auto`). `self.linear_path` says which
+        path runs."""
         self.loaded = loaded
         self.model = loaded.model
         config = loaded.config
@@ -70,39 +72,50 @@ class ModelRunner:
         self.kv_cache = torch.zeros((num_blocks, *self._block_shape), dtype=self.dtype,
                                     device=self.device)
         self._sample: Callable | None = None
-        # "prepacked" (oneDNN) or "reference" (torch's linear); the batch size -> time
-        # ratio prepacked / reference measured at start-up, when it was
+        # "prepacked" (oneDNN), "reference" (torch's linear) or "split" (torch's linear up
+        # to `plain_rows` rows, oneDNN above); the batch size -> time ratio prepacked /
+        # reference measured at start-up, when it was
         self.linear_path = "reference"
+        self.plain_rows: int | None = None
         self.linear_probe: dict[int, float] = {}
         if self.device.type == "cpu":
-            if prepack_weights is None:
-                prepack_weights = linear_path_setting()
-            if prepack_weights is None:
-                prepack_weights = self._prepack_wins()
-            if prepack_weights:
-                num_packed = prepack_linears(self.model)
-                self.linear_path = "prepacked"
-                logger.info("linear layers on %s: %d weights prepacked for oneDNN (%s)",
-                            self.device, num_packed, self.dtype)
+            path = linear_path_setting() if linear_path is None else check_linear_path(
+                linear_path)
+            if path == "auto":
+                path = self._probe_linear_path()
+            elif path == "split":
+                self.plain_rows = dense.PROBE_BATCH_SIZES[0]
+            if path != "reference":
+                num_packed = prepack_linears(
+                    self.model, self.plain_rows if path == "split" else None)
+                self.linear_path = path
+                logger.info("linear layers on %s: %d weights prepacked for oneDNN (%s%s)",
+                            self.device, num_packed, self.dtype,
+                            f"; torch's linear up to {self.plain_rows} rows"
+                            if path == "split" else "")
         from kernels import dispatch
 
         dispatch.log_choices(self.device.type)
         logger.info("KV cache: %d blocks of %d tokens (%d bytes each) on %s", num_blocks,
                     block_size, self._bytes_per_block, self.device)
 
-    def _prepack_wins(self) -> bool:
+    def _probe_linear_path(self) -> str:
         """Time the prepacked and the reference linear on this model's shapes (one layer
-        and the LM head, a fraction of a second) and say whether prepacking is faster."""
+        and the LM head, a fraction of a second) at a few row counts: the path that wins
+        at every one, else a split at the crossover."""
         weights = probe_weights(self.model)
         if not weights or not all(dense.can_prepack(w) for w in weights):
-            return False
-        self.linear_probe = dense.prepacked_speedup(weights)
-        wins = sum(self.linear_probe.values()) < len(self.linear_probe)
+            return "reference"
+        self.linear_probe = ratios = dense.prepacked_speedup(weights)
+        self.plain_rows = dense.plain_rows_limit(ratios)
+        if self.plain_rows is not None:
+            path = "split"
+        else:
+            path = "prepacked" if sum(ratios.values()) < len(ratios) else "reference"
         logger.info("linear path on %s, %s, %d threads: %s (time prepacked / torch linear: "
-                    "%s)", self.device, self.dtype, torch.get_num_threads(),
-                    "prepacked" if wins else "torch linear",
-                    ", ".join(f"batch {m} {r:.2f}" for m, r in self.linear_probe.items()))
-        return wins
+                    "%s)", self.device, self.dtype, torch.get_num_threads(), path,
+                    ", ".join(f"batch {m} {r:.2f}" for m, r in ratios.items()))
+        return path
 
     @property
     def num_blocks(self) -> int:
@@ -240,15 +253,17 @@ class ModelRunner:
         return rows, seqs
 
 
-def linear_path_setting() -> bool | None:
-    """Whether `LLMQ_LINEAR_PATH` asks for prepacked weights (True), torch's linear
-    (False), or leaves it to the start-up timing (None: `auto` or unset).
+def linear_path_setting() -> str:
+    """The linear path `LLMQ_LINEAR_PATH` asks for (`auto` when unset).
 
-    NOTE: the timing may choose differently in two processes on a busy machine, and fp32
-    results of the two paths differ in the last bits: pin the path where processes must
-    agree to the bit (the test suite does)."""
-    value = os.environ.get(LINEAR_PATH_ENV, "auto").strip().lower()
-    if value not in LINEAR_PATHS:
-        raise ValueError(f"{LINEAR_PATH_ENV}={value!r}: expected one of "
-                         f"{', '.join(LINEAR_PATHS)}")
-    return LINEAR_PATHS[value]
+    NOTE: the timing of `auto` may choose differently in two processes on a busy machine,
+    and fp32 results of the paths differ in the last bits: pin the path where processes
+    must agree to the bit (the test suite does)."""
+    return check_linear_path(os.environ.get(LINEAR_PATH_ENV, "auto"), LINEAR_PATH_ENV)
+
+
+def check_linear_path(value: str, name: str = "linear_path") -> str:
+    path = value.strip().lower()
+    if path not in LINEAR_PATHS:
+        raise ValueError(f"{name}={value!r}: expected one of {', '.join(LINEAR_PATHS)}")
+    return path

@@ -63,17 +63,28 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def prepack(self) -> bool:
-        """Swap the loaded weight for its prepacked copy (CPU; kernels/linear.py); True if
-        it did. The layer can compute afterwards, not load weights or move."""
-        if not dense.can_prepack(self.weight):
+    # with `plain_rows` set (a split), a prepacked copy beside the plain weight: calls of
+    # at most `plain_rows` rows take the plain one, larger ones the copy
+    packed_weight: torch.Tensor | None = None
+    plain_rows = 0
+
+    def prepack(self, plain_rows: int | None = None) -> bool:
+        """Swap the loaded weight for its prepacked copy (CPU; kernels/linear.py), or with
+        `plain_rows` keep both (a split); True if it did. The layer can compute
+        afterwards, not load weights or move."""
+        if self.packed_weight is not None or not dense.can_prepack(self.weight):
             return False
         packed = dense.prepack(self.weight)
+        if plain_rows is not None:
+            self.packed_weight, self.plain_rows = packed, plain_rows
+            return True
         del self.weight  # the plain copy is freed: the packed one replaces it
         self.register_buffer("weight", packed, persistent=False)
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None and x.shape[0] > self.plain_rows:
+            return dense.linear(x, self.packed_weight, self.bias)
         return dense.linear(x, self.weight, self.bias)
 
 
@@ -199,10 +210,11 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Output projection to the vocabulary; each rank computes its slice of the logits."""
 
     packed_weight: torch.Tensor | None = None
+    plain_rows = 0  # calls of at most this many rows take the plain weight (a split)
 
-    def prepack(self) -> bool:
+    def prepack(self, plain_rows: int | None = None) -> bool:
         """Keep a prepacked copy of the projection beside the weight (CPU); True if it
-        made one.
+        made one. `plain_rows`: as `LinearBase.prepack`'s split.
 
         NOTE: the weight stays: tied to the input embedding it must stay row-major for
         lookups. The copy costs vocab x hidden elements and gives the largest single GEMM
@@ -210,10 +222,12 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.packed_weight is not None or not dense.can_prepack(self.weight):
             return False
         self.packed_weight = dense.prepack(self.weight)
+        self.plain_rows = plain_rows or 0
         return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.weight if self.packed_weight is None else self.packed_weight
+        weight = (self.weight if self.packed_weight is None or hidden.shape[0] <= self.plain_rows
+                  else self.packed_weight)
         logits = dense.linear(hidden, weight)
         if self.tp_size > 1:  # TP: gather the vocabulary slices of every rank
             parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
@@ -222,11 +236,12 @@ class ParallelLMHead(VocabParallelEmbedding):
         return logits
 
 
-def prepack_linears(model: nn.Module) -> int:
+def prepack_linears(model: nn.Module, plain_rows: int | None = None) -> int:
     """Prepack the weight of every linear layer and LM head of `model` that can take the
-    CPU's prepacked path; returns how many did. Call once the weights are loaded and on
-    their device; calling again changes nothing."""
-    return sum(module.prepack() for module in model.modules()
+    CPU's prepacked path; returns how many did. With `plain_rows`, keep the plain weights
+    too and give them the calls of at most that many rows (a split). Call once the
+    weights are loaded and on their device; calling again changes nothing."""
+    return sum(module.prepack(plain_rows) for module in model.modules()
                if isinstance(module, LinearBase | ParallelLMHead))
 
 
@@ -236,8 +251,7 @@ def probe_weights(model: nn.Module) -> list[torch.Tensor]:
     needs to be representative. Empty once the weights are prepacked."""
     by_shape: dict[tuple[int, ...], torch.Tensor] = {}
     for module in model.modules():
-        packed = (isinstance(module, ParallelLMHead) and module.packed_weight is not None
-                  or isinstance(module, LinearBase) and module.weight.is_mkldnn)
-        if isinstance(module, LinearBase | ParallelLMHead) and not packed:
+        if isinstance(module, LinearBase | ParallelLMHead) and module.packed_weight is None \
+                and not module.weight.is_mkldnn:
             by_shape.setdefault(tuple(module.weight.shape), module.weight)
     return list(by_shape.values())
