@@ -5,11 +5,14 @@
 state directory) unless a Redis URL is given, one CPU device-group worker, beat, and the
 web server. The database is SQLite in the state directory unless a URL is given; it is
 migrated before anything starts. `stop()` stops every child in order and waits for each
-(NOTE: direct children, always waited on: a container's init may not reap orphans).
+(NOTE: direct children, always waited on: a container's init may not reap orphans). On
+Linux the stack is also its descendants' subreaper: a process a child leaves behind (a
+web worker its master killed on the way out) becomes ours, and `stop()` reaps it too.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -24,6 +27,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 STOP_TIMEOUT_SECONDS = {"web": 15.0, "worker": 45.0, "beat": 15.0, "redis": 10.0}
+ORPHAN_GRACE_SECONDS = 5.0  # for what the children left behind, after SIGTERM
+PR_SET_CHILD_SUBREAPER = 36  # prctl(2)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -69,6 +74,9 @@ class LocalStack:
 
     state_dir: Path
     children: list[Child] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        become_subreaper()
 
     @property
     def log_dir(self) -> Path:
@@ -146,6 +154,70 @@ class LocalStack:
                 process.wait(10.0)
             logger.info("%s stopped in %.1fs", child.name, time.monotonic() - started)
         self.children.clear()
+        reap_orphans(ORPHAN_GRACE_SECONDS)
+
+
+def become_subreaper() -> bool:
+    """Linux: make orphaned descendants this process's children instead of init's."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def reap_orphans(grace: float) -> None:
+    """End and wait on every remaining child of this process (the orphans a subreaper
+    inherits; call once the children it started are waited on): SIGTERM, `grace`
+    seconds, then SIGKILL."""
+    orphans = _own_children()
+    for pid in orphans:
+        logger.info("reaping pid %d, left behind by a child", pid)
+        _signal(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while orphans:
+        orphans = [pid for pid in orphans if not _reaped(pid)]
+        if not orphans or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    for pid in orphans:
+        logger.warning("pid %d did not stop in time; killing it", pid)
+        _signal(pid, signal.SIGKILL)
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
+
+
+def _own_children() -> list[int]:
+    me = os.getpid()
+    pids = []
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else []:
+        if not entry.name.isdigit():
+            continue
+        try:
+            # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent == me:
+            pids.append(int(entry.name))
+    return pids
+
+
+def _reaped(pid: int) -> bool:
+    try:
+        return os.waitpid(pid, os.WNOHANG)[0] == pid
+    except ChildProcessError:
+        return True  # not ours (any more)
+
+
+def _signal(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def _popen(command: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:

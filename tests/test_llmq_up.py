@@ -4,6 +4,7 @@ killed with SIGKILL is started again and serves; SIGTERM stops every process it 
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import signal
@@ -50,6 +51,15 @@ def _descendants(pid: int) -> set[int]:
 def _gone(pid: int) -> bool:
     """Exited and waited on (a zombie still has its /proc entry: nobody reaped it)."""
     return not Path(f"/proc/{pid}").exists()
+
+
+def _describe(pid: int) -> str:
+    """A process's state (Z: a zombie nobody reaped) and command line, for a failure."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        state = "?"
+    return f"{state} {_cmdline(pid)}"
 
 
 def _cmdline(pid: int) -> str:
@@ -116,9 +126,37 @@ def test_llmq_up_serves_a_completion_and_stops_cleanly(tmp_path):
         assert len(children) >= 4  # redis, worker, beat, web (+ gunicorn's worker)
         process.send_signal(signal.SIGTERM)
         assert process.wait(60) == 0, "".join(output)
-        still_there = {pid for pid in children if not _gone(pid)}
+        still_there = {pid: _describe(pid) for pid in children if not _gone(pid)}
         assert not still_there, f"processes left behind: {still_there}"
     finally:
         if process.poll() is None:
             process.kill()
             process.wait(10)
+
+
+ORPHAN_SCRIPT = """
+import json, sys, time
+from pathlib import Path
+from llmq.stack import LocalStack
+stack = LocalStack(Path(sys.argv[1]))
+# the child starts a grandchild that ignores SIGTERM, and exits at once: an orphan
+child = stack.spawn("web", ["sh", "-c", "(trap '' TERM; sleep 60) & echo $! > %s/pid"
+                            % sys.argv[1]], {})
+child.process.wait()
+time.sleep(0.5)
+orphan = int(Path(sys.argv[1], "pid").read_text())
+parent = int(Path(f"/proc/{orphan}/stat").read_text().rsplit(")", 1)[1].split()[1])
+stack.stop()
+print(json.dumps({"orphan": orphan, "adopted": parent == __import__("os").getpid(),
+                  "gone": not Path(f"/proc/{orphan}").exists()}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a Linux subreaper")
+def test_stop_reaps_what_a_child_left_behind(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", ORPHAN_SCRIPT, str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["adopted"] and result["gone"]

@@ -196,7 +196,9 @@ class BatchValidator:
         self._wake.set()
         thread = self._thread
         if thread is not None and thread.is_alive() and thread is not threading.current_thread():
-            thread.join(5)  # a long validation is left: its claim lapses
+            # NOTE: briefly: a web worker that outlives its graceful timeout is killed,
+            # and a long validation is left anyway (its claim lapses)
+            thread.join(0.5)
 
     def _run(self) -> None:
         while not self._stopped.is_set():
