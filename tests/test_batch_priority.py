@@ -22,6 +22,9 @@ from tests.pipeline_helpers import running_worker, wait_for
 from workers.admitted import AdmittedJob
 from workers.inbox import JobInbox
 
+# a group of 4 sequences: 3 for batch lines, 1 kept for interactive requests
+FOUR_SEQS = ["--max-num-seqs", "4", "--kv-cache-bytes", str(16 * 1024 * 1024)]
+
 
 def _job(job_id: str, priority: int = 0) -> AdmittedJob:
     return AdmittedJob(job_id=job_id, prompt="x", params=SamplingParams(max_tokens=1),
@@ -68,22 +71,12 @@ def test_an_interactive_request_behind_a_batch_does_not_wait_for_it(
     base_url = start_web(service_settings)
     client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0,
                            timeout=120)
-    lines = [{"custom_id": f"p{i}", "method": "POST", "url": "/v1/completions",
-              "body": {"model": "tiny", "prompt": f"line {i}", "max_tokens": 400,
-                       "temperature": 0.0, "ignore_eos": True}} for i in range(10)]
-    data = "".join(json.dumps(line) + "\n" for line in lines).encode()
-    with running_worker(service_settings, redis_client, tmp_path, "prio",
-                        args=["--max-num-seqs", "4", "--kv-cache-bytes",
-                              str(16 * 1024 * 1024)]):
+    with running_worker(service_settings, redis_client, tmp_path, "prio", args=FOUR_SEQS):
         idle = min(_timed(client) for _ in range(3))  # the same request, nothing else running
-        upload = client.files.create(file=("p.jsonl", io.BytesIO(data)), purpose="batch")
-        batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/completions",
-                                      completion_window="24h")
+        batch = _create_batch(client, "p", 10, max_tokens=400)
 
         def batch_jobs(*statuses: str) -> int:
-            with session_factory() as session:
-                return session.scalar(select(func.count()).select_from(Job).where(
-                    Job.batch_id == batch.id, Job.status.in_(statuses)))
+            return _count_lines(session_factory, batch.id, *statuses)
 
         wait_for(lambda: batch_jobs(JobStatus.RUNNING.value) >= 3, 60, "batch lines running")
         ended_before = batch_jobs(JobStatus.SUCCEEDED.value)
@@ -98,6 +91,23 @@ def test_an_interactive_request_behind_a_batch_does_not_wait_for_it(
     # took less than a line's time
     assert ended_after == ended_before, (ended_before, ended_after, latency, idle)
     assert latency < min(runs), (latency, idle, min(runs))
+
+
+def _create_batch(client: openai.OpenAI, prefix: str, num_lines: int, *, max_tokens: int):
+    """A batch of `num_lines` greedy completions (custom ids `<prefix><i>`)."""
+    lines = [{"custom_id": f"{prefix}{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": "tiny", "prompt": f"line {i}", "max_tokens": max_tokens,
+                       "temperature": 0.0, "ignore_eos": True}} for i in range(num_lines)]
+    data = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    upload = client.files.create(file=(f"{prefix}.jsonl", io.BytesIO(data)), purpose="batch")
+    return client.batches.create(input_file_id=upload.id, endpoint="/v1/completions",
+                                 completion_window="24h")
+
+
+def _count_lines(session_factory, batch_id: str, *statuses: str) -> int:
+    with session_factory() as session:
+        return session.scalar(select(func.count()).select_from(Job).where(
+            Job.batch_id == batch_id, Job.status.in_(statuses)))
 
 
 def _timed(client: openai.OpenAI) -> float:
@@ -118,21 +128,11 @@ def test_interactive_requests_beyond_the_reserve_hand_batch_lines_back(
     base_url = start_web(service_settings)
     client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0,
                            timeout=120)
-    lines = [{"custom_id": f"h{i}", "method": "POST", "url": "/v1/completions",
-              "body": {"model": "tiny", "prompt": f"line {i}", "max_tokens": 800,
-                       "temperature": 0.0, "ignore_eos": True}} for i in range(4)]
-    data = "".join(json.dumps(line) + "\n" for line in lines).encode()
-    with running_worker(service_settings, redis_client, tmp_path, "handback",
-                        args=["--max-num-seqs", "4", "--kv-cache-bytes",
-                              str(16 * 1024 * 1024)]):
-        upload = client.files.create(file=("h.jsonl", io.BytesIO(data)), purpose="batch")
-        batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/completions",
-                                      completion_window="24h")
+    with running_worker(service_settings, redis_client, tmp_path, "handback", args=FOUR_SEQS):
+        batch = _create_batch(client, "h", 4, max_tokens=800)
 
         def lines_in(*statuses: str) -> int:
-            with session_factory() as session:
-                return session.scalar(select(func.count()).select_from(Job).where(
-                    Job.batch_id == batch.id, Job.status.in_(statuses)))
+            return _count_lines(session_factory, batch.id, *statuses)
 
         wait_for(lambda: lines_in(JobStatus.RUNNING.value) >= 3, 60, "batch lines running")
         with ThreadPoolExecutor(3) as pool:
