@@ -86,8 +86,7 @@ class ModelRunner:
             elif path == "split":
                 self.plain_rows = dense.PROBE_BATCH_SIZES[0]
             if path != "reference":
-                num_packed = prepack_linears(
-                    self.model, self.plain_rows if path == "split" else None)
+                num_packed = prepack_linears(self.model, self.plain_rows)  # None: no split
                 self.linear_path = path
                 logger.info("linear layers on %s: %d weights prepacked for oneDNN (%s%s)",
                             self.device, num_packed, self.dtype,
