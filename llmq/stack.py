@@ -173,7 +173,11 @@ def reap_orphans(grace: float) -> None:
     seconds, then SIGKILL."""
     orphans = _own_children()
     for pid in orphans:
-        logger.info("reaping pid %d, left behind by a child", pid)
+        name, state = _name_and_state(pid)
+        if state == "Z":  # exited already: only its exit status was left to collect
+            logger.debug("reaping pid %d (%s), exited after its parent", pid, name)
+        else:
+            logger.info("stopping pid %d (%s), left running by a child", pid, name)
         _signal(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while orphans:
@@ -192,18 +196,24 @@ def reap_orphans(grace: float) -> None:
 
 def _own_children() -> list[int]:
     me = os.getpid()
-    pids = []
-    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else []:
-        if not entry.name.isdigit():
-            continue
-        try:
-            # "pid (comm) state ppid ...": comm may hold spaces and parentheses
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        if parent == me:
-            pids.append(int(entry.name))
-    return pids
+    return [int(entry.name) for entry in (Path("/proc").iterdir() if Path("/proc").is_dir()
+                                          else [])
+            if entry.name.isdigit() and _stat_fields(int(entry.name))[2:3] == [str(me)]]
+
+
+def _name_and_state(pid: int) -> tuple[str, str]:
+    fields = _stat_fields(pid)
+    return (fields[0], fields[1]) if len(fields) > 1 else ("?", "?")
+
+
+def _stat_fields(pid: int) -> list[str]:
+    """[comm, state, ppid, ...] of /proc/<pid>/stat; empty once it is gone."""
+    try:
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+        head, rest = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)
+    except (OSError, ValueError):
+        return []
+    return [head.split("(", 1)[-1], *rest.split()]
 
 
 def _reaped(pid: int) -> bool:
