@@ -51,10 +51,15 @@ def run_up(args: argparse.Namespace) -> int:
 def _run_locked(args: argparse.Namespace, state_dir: Path) -> int:
     stack = LocalStack(state_dir)
 
-    def on_sigterm(_signum: int, _frame: object) -> None:
+    def on_stop_signal(_signum: int, _frame: object) -> None:
+        # NOTE: ignore both at once: a second Ctrl-C or SIGTERM arriving before `finally`
+        # runs would otherwise break out of it and leave every child running
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         raise _Stop()
 
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    previous = signal.signal(signal.SIGTERM, on_stop_signal)
+    previous_int = signal.signal(signal.SIGINT, on_stop_signal)
     try:
         if not _port_free(args.host, args.port):
             _say(f"error: {args.host}:{args.port} is in use; pick another with --port")
@@ -84,7 +89,7 @@ def _run_locked(args: argparse.Namespace, state_dir: Path) -> int:
         while True:
             stack.restart_dead(_announce_restart)
             time.sleep(0.5)
-    except (_Stop, KeyboardInterrupt):
+    except _Stop:
         _say("stopping llmq (draining the worker)...")
         return 0
     except RuntimeError as exc:
@@ -93,7 +98,7 @@ def _run_locked(args: argparse.Namespace, state_dir: Path) -> int:
     finally:
         # NOTE: a second Ctrl-C or SIGTERM must not cut the stop short and leave children
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        previous_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         stack.stop()
         signal.signal(signal.SIGTERM, previous)
         signal.signal(signal.SIGINT, previous_int)

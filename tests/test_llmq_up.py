@@ -124,7 +124,11 @@ def test_llmq_up_serves_a_completion_and_stops_cleanly(tmp_path):
         children = _descendants(process.pid)
         assert worker not in children
         assert len(children) >= 4  # redis, worker, beat, web (+ gunicorn's worker)
-        process.send_signal(signal.SIGTERM)
+        # a burst of stop signals (an impatient Ctrl-C, a supervisor's SIGTERM): the
+        # first one stops the stack, the others must not cut that stop short
+        for sig in (signal.SIGTERM, signal.SIGTERM, signal.SIGINT, signal.SIGTERM):
+            process.send_signal(sig)
+            time.sleep(0.02)
         assert process.wait(60) == 0, "".join(output)
         still_there = {pid: _describe(pid) for pid in children if not _gone(pid)}
         assert not still_there, f"processes left behind: {still_there}"
