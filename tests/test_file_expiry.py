@@ -81,11 +81,16 @@ def test_an_expired_file_is_gone_before_and_after_the_sweep(client, base_url, se
     ({"expires_after": "{}"}, "expires_after.anchor"),
 ])
 def test_a_bad_expires_after_is_a_400_naming_the_field(base_url, fields, param):
+    def num_files() -> int:
+        return len(requests.get(base_url + "/v1/files", timeout=30).json()["data"])
+
+    before = num_files()
     answer = requests.post(base_url + "/v1/files", data={"purpose": "batch", **fields},
                            files={"file": ("x.jsonl", LINE.encode())}, timeout=30)
     assert answer.status_code == 400, answer.text
     error = answer.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert num_files() == before  # nothing stored
 
 
 def test_expires_after_as_one_json_field(base_url):
