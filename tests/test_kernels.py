@@ -382,8 +382,12 @@ def test_runner_times_both_linear_paths_at_start_up_and_takes_the_faster(
 
     loaded = load_checkpoint(tiny_qwen3_tied_dir, dtype=dtype)
     shapes = [tuple(w.shape) for w in probe_weights(loaded.model)]
-    # one weight per distinct shape: qkv, o, gate/up, down and the LM head
-    assert len(shapes) == len(set(shapes)) == 5
+    # every projection of every layer (qkv, o, gate/up, down) and the LM head: a pass
+    # streams the weights as a step does
+    assert len(shapes) == 4 * loaded.config.num_layers + 1 and len(set(shapes)) == 5
+    # under a byte budget: the first layers, and one weight of each shape still
+    few = probe_weights(loaded.model, max_bytes=1)
+    assert len(few) == len({tuple(w.shape) for w in few}) == 5
     monkeypatch.setenv("LLMQ_LINEAR_PATH", "auto")
     runner = ModelRunner(loaded, kv_cache_bytes=1 << 20)
     probe = runner.linear_probe

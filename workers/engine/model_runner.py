@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 
 import torch
@@ -99,21 +100,25 @@ class ModelRunner:
                     block_size, self._bytes_per_block, self.device)
 
     def _probe_linear_path(self) -> str:
-        """Time the prepacked and the reference linear on this model's shapes (one layer
-        and the LM head, a fraction of a second) at a few row counts: the path that wins
-        at every one, else a split at the crossover."""
+        """Time the prepacked and the reference linear on this model's weights (its
+        layers' projections up to `PROBE_MAX_BYTES`, and the LM head) at a few row counts:
+        the path that wins at every one, else a split at the crossover."""
         weights = probe_weights(self.model)
         if not weights or not all(dense.can_prepack(w) for w in weights):
             return "reference"
+        started = time.perf_counter()
         self.linear_probe = ratios = dense.prepacked_speedup(weights)
+        probe_seconds = time.perf_counter() - started
         self.plain_rows = dense.plain_rows_limit(ratios)
         if self.plain_rows is not None:
             path = "split"
         else:
             path = "prepacked" if sum(ratios.values()) < len(ratios) else "reference"
         logger.info("linear path on %s, %s, %d threads: %s (time prepacked / torch linear: "
-                    "%s)", self.device, self.dtype, torch.get_num_threads(), path,
-                    ", ".join(f"batch {m} {r:.2f}" for m, r in ratios.items()))
+                    "%s; timed on %d weights in %.1f s)", self.device, self.dtype,
+                    torch.get_num_threads(), path,
+                    ", ".join(f"batch {m} {r:.2f}" for m, r in ratios.items()), len(weights),
+                    probe_seconds)
         return path
 
     @property
