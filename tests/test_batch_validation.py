@@ -225,3 +225,42 @@ def test_a_web_process_killed_while_validating_loses_nothing(service_settings, s
         row = session.get(Batch, batch.id)
         assert row.validator != token and row.validation_attempts == 2
     rescuer.batches.cancel(batch.id)
+
+
+def test_a_model_that_cannot_load_defers_then_fails_the_batch_not_its_lines(
+        service_settings, start_web, session_factory, tiny_qwen3_dir, tmp_path):
+    """A 5xx of the server (the model's tokenizer does not load) is not the lines' fault:
+    no line goes to the error file as a bad request; the batch is validated again and,
+    on its last allowed claim, fails naming the reason."""
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_qwen3_dir, broken)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (broken / name).exists():
+            (broken / name).write_text("{ not json")
+    settings = service_settings.with_overrides(
+        models={**service_settings.models, "broken": str(broken)}, max_attempts=2)
+    client = openai.OpenAI(base_url=start_web(settings) + "/v1", api_key="unused",
+                           max_retries=0, timeout=60)
+    lines = [{"custom_id": f"b{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": "broken", "prompt": "hi", "max_tokens": 2}} for i in range(3)]
+    data = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    file_id = client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch").id
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/completions",
+                                  completion_window="24h")
+    # the first claim defers: the batch stays validating with its claim released
+    wait_for(lambda: _attempts(session_factory, batch.id) >= 1, 60, "a first claim")
+    assert client.batches.retrieve(batch.id).status == "validating"
+    failed = wait_for(lambda: (b := client.batches.retrieve(batch.id)).status != "validating"
+                      and b, 90, "the batch failed")
+    assert failed.status == "failed"
+    assert [(e.code, e.line) for e in failed.errors.data] == [("model_unavailable", 1)]
+    assert "cannot load the tokenizer of model 'broken'" in failed.errors.data[0].message
+    assert _attempts(session_factory, batch.id) == 2
+    assert _num_jobs(session_factory, batch.id) == 0  # no line became a failed job
+
+
+def _attempts(session_factory, batch_id: str) -> int:
+    with session_factory() as session:
+        return session.get(Batch, batch_id).validation_attempts

@@ -89,13 +89,18 @@ def file_problem(code: str, message: str) -> dict[str, Any]:
 def line_job(svc: Services, kind: JobKind, index: int, line: BatchInputLine,
              api_key_id: uuid.UUID | None, batch_id: str, now: datetime) -> Job:
     """The job of one valid line: queued, or failed when the served model refuses its
-    body (the error file then answers it with a 400, as the direct request would)."""
+    body (the error file then answers it with a 400, as the direct request would).
+
+    A 5xx APIError (the served model cannot load its tokenizer) is the server's problem,
+    not the line's: it propagates, and the batch is validated again later."""
     job = Job(id=uuid.uuid4(), api_key_id=api_key_id, batch_id=batch_id, custom_id=line.custom_id,
               batch_index=index, kind=kind.value, priority=BATCH_PRIORITY, attempts=0,
               created_at=now)
     try:
         _fill_job(svc, kind, line.body, job)
     except APIError as exc:
+        if exc.status >= 500:
+            raise
         model = line.body.get("model")
         job.model = model[:200] if isinstance(model, str) else ""
         job.params = job.params or {}

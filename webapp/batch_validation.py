@@ -20,6 +20,10 @@ Durable, exactly once:
 * its result, the jobs and the move to `in_progress` (or `failed`), is ONE transaction
   whose first statement is an UPDATE matching only while the batch is still `validating`
   under its token: a validator that lost its claim commits nothing, so the jobs exist once;
+* a line the server cannot validate for a reason of its own (a served model whose
+  tokenizer does not load: a 5xx, where a bad line is a 4xx in the error file) makes no
+  line fail: the claim is released and a later pass tries again, and the last allowed
+  claim fails the batch naming the reason and the line;
 * a batch whose validation keeps failing (`LLMQ_MAX_ATTEMPTS` claims) ends `failed`, and
   one whose window passes with no web process left is expired by beat (tasks/batches.py).
 """
@@ -44,6 +48,7 @@ from tasks.db import update_count, utcnow
 from tasks.files import read_file_bytes
 from tasks.models import Batch, BatchStatus, File, Job
 from webapp.batch_lines import KIND_OF_ENDPOINT, file_problem, line_job, parse_lines
+from webapp.errors import APIError
 from webapp.services import Services
 
 logger = logging.getLogger(__name__)
@@ -55,6 +60,11 @@ MAX_REPORTED_ERRORS = 1000  # validation errors kept in errors.data
 
 class LostClaim(Exception):
     """The batch is no longer validating under this claim (taken over, or cancelled)."""
+
+
+class ValidationDeferred(Exception):
+    """The server could not validate the batch now (a model that does not load): the
+    claim is released and a later pass tries again, up to LLMQ_MAX_ATTEMPTS claims."""
 
 
 def claim_batch(session_factory: sessionmaker[Session], token: str, lease_seconds: float,
@@ -96,6 +106,13 @@ def renew_claim(session_factory: sessionmaker[Session], batch_id: str, token: st
             raise LostClaim(batch_id)
 
 
+def release_claim(session_factory: sessionmaker[Session], batch_id: str, token: str) -> None:
+    """Give the claim up at once (its lease ends now), so a later pass may claim again."""
+    with session_factory.begin() as session:
+        session.execute(update(Batch).where(*_held(batch_id, token)).values(
+            validation_lease_expires_at=utcnow()))
+
+
 def commit_validation(session_factory: sessionmaker[Session], batch_id: str, token: str,
                       values: dict[str, Any], jobs: list[Job]) -> bool:
     """The validation's result in one transaction: the batch's new `values` and its
@@ -127,6 +144,7 @@ def validate_batch(svc: Services, batch_id: str, token: str) -> bool:
         if batch is None:
             return False
         endpoint, api_key_id = batch.endpoint, batch.api_key_id
+        attempts = batch.validation_attempts
         exists = session.get(File, batch.input_file_id) is not None
         data = read_file_bytes(session, batch.input_file_id) if exists else b""
     lines, errors = parse_lines(data, endpoint, svc.settings.max_batch_lines) if exists else (
@@ -148,13 +166,36 @@ def validate_batch(svc: Services, batch_id: str, token: str) -> bool:
         if time.monotonic() > renew_at:
             renew_claim(svc.session_factory, batch_id, token, lease)
             renew_at = time.monotonic() + renew_every
-        jobs.append(line_job(svc, kind, index, line, api_key_id, batch_id, now))
+        try:
+            jobs.append(line_job(svc, kind, index, line, api_key_id, batch_id, now))
+        except APIError as exc:  # 5xx: the server's problem, not the line's
+            return _server_problem(svc, batch_id, token, attempts, index, exc)
     written = commit_validation(svc.session_factory, batch_id, token, {
         "status": BatchStatus.IN_PROGRESS.value, "num_total": len(jobs),
         "in_progress_at": utcnow()}, jobs)
     if written:
         logger.info("batch %s in progress: %d requests to %s", batch_id, len(jobs), endpoint)
         finalize_if_done(svc.session_factory, batch_id)  # every line may have failed already
+    return written
+
+
+def _server_problem(svc: Services, batch_id: str, token: str, attempts: int, index: int,
+                    exc: APIError) -> bool:
+    """Line `index` could not be validated for a reason of the server's: on the last
+    allowed claim the batch fails naming it (and no line runs); before that the claim is
+    released and ValidationDeferred raised (a later pass tries again)."""
+    reason = f"line {index + 1}: {exc.message}"
+    if attempts < svc.settings.max_attempts:
+        release_claim(svc.session_factory, batch_id, token)
+        raise ValidationDeferred(f"batch {batch_id}: validation deferred after claim "
+                                 f"{attempts} of {svc.settings.max_attempts}: {reason}")
+    problem = {"code": exc.code, "message": exc.message, "param": exc.param,
+               "line": index + 1}
+    written = commit_validation(svc.session_factory, batch_id, token, {
+        "status": BatchStatus.FAILED.value, "errors": [problem], "failed_at": utcnow()}, [])
+    if written:
+        logger.error("batch %s failed: the server could not validate it (%s)", batch_id,
+                     reason)
     return written
 
 
@@ -207,6 +248,9 @@ class BatchValidator:
             try:
                 while not self._stopped.is_set() and self.run_once():
                     pass
+            except ValidationDeferred as exc:
+                logger.error("%s", exc)
+                self._stopped.wait(POLL_SECONDS * 5)
             except Exception:  # Postgres away, a bug: the claim lapses, a later pass retries
                 logger.exception("batch validation pass failed")
                 self._stopped.wait(POLL_SECONDS * 5)
