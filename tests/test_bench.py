@@ -120,9 +120,11 @@ def make_handler(stub: Stub) -> type[BaseHTTPRequestHandler]:
                 self._send(f"id: 1-{k}\nevent: token\ndata: {json.dumps(data)}\n\n")
             usage = {"prompt_tokens": job["prompt_tokens"],
                      "completion_tokens": job["max_tokens"]}
-            self._send(f"id: 1-x\nevent: done\ndata: {json.dumps({'usage': usage})}\n\n")
+            # NOTE: leave before the last write: the client may start its next request as
+            # soon as it reads it, before this thread runs again
             if job["counted"]:
                 stub.leave()
+            self._send(f"id: 1-x\nevent: done\ndata: {json.dumps({'usage': usage})}\n\n")
 
         def do_POST(self) -> None:  # noqa: N802
             posted_at = time.perf_counter()
@@ -158,9 +160,9 @@ def make_handler(stub: Stub) -> type[BaseHTTPRequestHandler]:
                                                             "finish_reason": "length"}]}) + "\n\n")
             usage = {"prompt_tokens": _prompt_words(body), "completion_tokens": max_tokens}
             self._send("data: " + json.dumps({"choices": [], "usage": usage}) + "\n\n")
-            self._send("data: [DONE]\n\n")
-            if counted:
+            if counted:  # before the last write, as above
                 stub.leave()
+            self._send("data: [DONE]\n\n")
 
     return Handler
 
