@@ -66,14 +66,35 @@ def run_offline(engine: Any, args: argparse.Namespace) -> dict[str, Any]:
     from tasks.params import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0)
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.thread_time()
     for i, prompt in enumerate(prompts(args.num_lines, args.prompt_words)):
         engine.add_request(f"offline-{i}", prompt, params)
     num_tokens = 0
     while engine.has_unfinished_requests():
         num_tokens += sum(len(d.new_token_ids) for d in engine.step())
     elapsed = time.perf_counter() - started
-    return {"tokens": num_tokens, "seconds": elapsed, "tokens_per_s": num_tokens / elapsed}
+    return {"tokens": num_tokens, "seconds": elapsed, "tokens_per_s": num_tokens / elapsed,
+            "cpu_seconds": time.thread_time() - cpu_started}
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds so far of each named thread of process `pid` (Linux; the worker names
+    its threads, workers/thread_names.py), summed by name; {} where /proc is missing."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    totals: dict[str, float] = {}
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return totals
+    for task in tasks:
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue  # the thread ended
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        totals[name] = totals.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+    return totals
 
 
 def ttft(client: Any, args: argparse.Namespace, index: int) -> float:
@@ -91,8 +112,9 @@ def ttft(client: Any, args: argparse.Namespace, index: int) -> float:
     return first
 
 
-def run_busy(client: Any, args: argparse.Namespace) -> dict[str, Any]:
-    """The batch, and the interactive client beside it until it completes."""
+def run_busy(client: Any, args: argparse.Namespace, worker_pid: int) -> dict[str, Any]:
+    """The batch, and the interactive client beside it until it completes; with the CPU
+    seconds each thread of the worker spent meanwhile."""
     lines = [{"custom_id": f"line-{i}", "method": "POST", "url": "/v1/completions",
               "body": {"model": "bench", "prompt": prompt, "max_tokens": args.max_tokens,
                        "temperature": 0.0, "ignore_eos": True}}
@@ -109,6 +131,7 @@ def run_busy(client: Any, args: argparse.Namespace) -> dict[str, Any]:
             index += 1
             done.wait(args.interactive_gap)
 
+    cpu_before = thread_cpu(worker_pid)
     started = time.perf_counter()
     batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/completions",
                                   completion_window="24h")
@@ -123,6 +146,7 @@ def run_busy(client: Any, args: argparse.Namespace) -> dict[str, Any]:
         time.sleep(0.5)
         batch = client.batches.retrieve(batch.id)
     elapsed = time.perf_counter() - started
+    cpu_after = thread_cpu(worker_pid)
     done.set()
     thread.join(60)
     output = client.files.content(batch.output_file_id).text.splitlines() \
@@ -133,6 +157,10 @@ def run_busy(client: Any, args: argparse.Namespace) -> dict[str, Any]:
             "failed": batch.request_counts.failed, "tokens": tokens, "seconds": elapsed,
             "create_seconds": created - started, "validate_seconds": validated - started,
             "tokens_per_s": tokens / elapsed,
+            "worker_thread_cpu_seconds": {name: round(cpu - cpu_before.get(name, 0.0), 2)
+                                          for name, cpu in cpu_after.items()
+                                          if cpu - cpu_before.get(name, 0.0) >= 0.01},
+            "interactive_tokens": len(samples) * args.interactive_tokens,
             "ttft": samples}
 
 
@@ -177,6 +205,27 @@ def _cpu_model() -> str:
     return "unknown CPU"
 
 
+def _cpu_rows(offline: dict[str, Any], busy: dict[str, Any]) -> list[tuple[str, str]]:
+    """Where the worker's CPU went during the batch: its batcher thread's share of the
+    wall time and CPU per output token, beside the offline engine's thread."""
+    threads = busy["worker_thread_cpu_seconds"]
+    batcher = threads.get("llmq-batcher")
+    if batcher is None:
+        return []  # no /proc, or threads without names
+    others = ", ".join(f"{name} {cpu:.1f}" for name, cpu in
+                       sorted(threads.items(), key=lambda item: -item[1])
+                       if name != "llmq-batcher")
+    tokens = busy["tokens"] + busy["interactive_tokens"]
+    return [
+        ("worker CPU during the batch (s, by thread)",
+         f"llmq-batcher {batcher:.1f} (**{100 * batcher / busy['seconds']:.0f}%** of the "
+         f"wall time); {others}"),
+        ("batcher CPU per output token / offline engine's",
+         f"{1000 * batcher / tokens:.3f} / {1000 * offline['cpu_seconds'] / offline['tokens']:.3f}"
+         f" ms"),
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import openai
@@ -198,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         idle = [ttft(client, args, i) for i in range(args.idle_requests)]
         print(f"idle TTFT p50 {1000 * statistics.median(idle):.0f} ms", flush=True)
         busy_started = time.time()
-        busy = run_busy(client, args)
+        busy = run_busy(client, args, services.worker.pid)
         phases = {"idle": interactive_phases(services, idle_started, busy_started),
                   "busy": interactive_phases(services, busy_started, time.time())}
     finally:
@@ -230,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
          f"({busy['completed']} completed, {busy['failed']} failed, "
          f"create took {busy['create_seconds']:.1f} s, validated after "
          f"{busy['validate_seconds']:.1f} s)"),
+        *_cpu_rows(offline, busy),
         ("machine", f"{figures['cpu']}, {os.cpu_count()} cores, 1-min load average "
                     f"{figures['load_average_1m']:.1f} at the end"),
     ]

@@ -18,6 +18,7 @@ from typing import Protocol
 from sqlalchemy.exc import SQLAlchemyError
 
 from workers.admission import GenerateOutcome
+from workers.thread_names import name_this_thread
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class BatchFeeder:
         self._stop.set()
 
     def _run(self) -> None:
+        name_this_thread()
         while not self._stop.is_set():
             room = self.batcher.wait_batch_room(ROOM_WAIT_SECONDS)
             if not room:

@@ -56,6 +56,7 @@ from workers.job_rows import JobProgress, JobRequeue, JobResult
 from workers.job_state import JobState
 from workers.step_health import StepHealth
 from workers.step_publisher import StepPublisher
+from workers.thread_names import name_this_thread
 
 logger = logging.getLogger(__name__)
 
@@ -219,6 +220,7 @@ class Batcher:
     # -- the loop --------------------------------------------------------------------------
 
     def _run(self) -> None:
+        name_this_thread()
         logger.info("batcher started (capacity %d samples)", self.capacity)
         while True:
             # NOTE: only this thread changes _jobs and the engine's requests, so neither

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from tasks.protocol import cancel_channel
 from tasks.settings import Settings
+from workers.thread_names import name_this_thread
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class CancelListener:
         self._thread.join(5.0)
 
     def _run(self) -> None:
+        name_this_thread()
         channel = cancel_channel(self.settings)
         backoff = 0.1
         while not self._stop.is_set():

@@ -47,6 +47,7 @@ from workers.job_rows import (
     JobWrite,
     unstorable,
 )
+from workers.thread_names import name_this_thread
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +144,7 @@ class DbWriter:
     # -- the thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
+        name_this_thread()
         retry: list[_Item] = []  # a batch Postgres refused, written again before anything new
         backoff = 0.0
         while not self._stop.is_set():

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from tasks.metrics import WorkerMetrics
 from tasks.protocol import group_alive_key, groups_key
 from tasks.settings import Settings
+from workers.thread_names import name_this_thread
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +160,7 @@ class Heartbeat:
         return group_alive_key(self.settings, self.identity.model, self.identity.group_id)
 
     def _run(self) -> None:
+        name_this_thread()
         failing_since: float | None = None  # a Redis outage is logged once, not every beat
         while not self._stop.wait(self.interval):
             try:

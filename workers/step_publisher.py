@@ -34,6 +34,7 @@ from typing import Protocol
 from tasks.protocol import EventType, JobEvent
 from tasks.streams.publish import EventFence
 from workers.job_rows import JobRequeue, JobResult
+from workers.thread_names import name_this_thread
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +171,7 @@ class StepPublisher:
                                self._queue.qsize())
 
     def _run(self) -> None:
+        name_this_thread()
         while True:
             step = self._queue.get()
             if step is None:
