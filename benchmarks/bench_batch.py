@@ -35,7 +35,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench_pipeline import Services, load_offline_engine, prompts  # noqa: E402
+from bench_pipeline import Services, load_offline_engine, prompts, thread_cpu  # noqa: E402
 from bench_services import add_service_args  # noqa: E402
 
 from tasks.settings import Settings  # noqa: E402
@@ -75,26 +75,6 @@ def run_offline(engine: Any, args: argparse.Namespace) -> dict[str, Any]:
     elapsed = time.perf_counter() - started
     return {"tokens": num_tokens, "seconds": elapsed, "tokens_per_s": num_tokens / elapsed,
             "cpu_seconds": time.thread_time() - cpu_started}
-
-
-def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds so far of each named thread of process `pid` (Linux; the worker names
-    its threads, workers/thread_names.py), summed by name; {} where /proc is missing."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    totals: dict[str, float] = {}
-    try:
-        tasks = list(Path(f"/proc/{pid}/task").iterdir())
-    except OSError:
-        return totals
-    for task in tasks:
-        try:
-            stat = (task / "stat").read_text()
-        except OSError:
-            continue  # the thread ended
-        name = stat[stat.index("(") + 1:stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2:].split()
-        totals[name] = totals.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
-    return totals
 
 
 def ttft(client: Any, args: argparse.Namespace, index: int) -> float:

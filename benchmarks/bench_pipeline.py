@@ -192,6 +192,29 @@ class Services:
         drop_scratch(self.scratch)
 
 
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds so far of each named thread of process `pid` (Linux; the worker names
+    its threads, workers/thread_names.py), summed by name; {} where /proc is missing."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    totals: dict[str, float] = {}
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return totals
+    for task in tasks:
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue  # the thread ended
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        totals[name] = totals.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+    return totals
+
+
+BATCHER_KEY = "worker's batcher thread"
+
+
 def cpu_snapshot(services: Services) -> dict[str, float]:
     """CPU seconds used so far by each part (postgres: every backend, ours or not)."""
     import psutil
@@ -216,7 +239,10 @@ def cpu_snapshot(services: Services) -> dict[str, float]:
         return total
 
     redis_port = services.args.redis_url.rsplit(":", 1)[-1].split("/")[0]
-    return {"worker": tree(services.worker.pid), "web": tree(services.web.pid),
+    # the worker's batcher thread on its own: the engine's loop (workers/thread_names.py)
+    batcher = thread_cpu(services.worker.pid).get("llmq-batcher", 0.0)
+    return {"worker": tree(services.worker.pid), BATCHER_KEY: batcher,
+            "web": tree(services.web.pid),
             "client": sum(psutil.Process().cpu_times()[:2]),
             "redis": named("redis-server", ":" + redis_port),
             "postgres": named("postgres")}
@@ -486,6 +512,8 @@ def main(argv: list[str] | None = None) -> int:
          f"{submissions['jobs_per_s']:.0f} jobs/s"),
         ("CPU seconds, last round", f"{cpu}; offline engine "
                                     f"{rounds[-1]['offline']['cpu_seconds']:.2f}"),
+        ("the worker's batcher thread: CPU over the run's wall time (last round)",
+         f"{100 * p['cpu_seconds'][BATCHER_KEY] / p['seconds']:.0f}%"),
         ("machine", f"{os.cpu_count()} cores, 1-min load average {load:.1f} at the end"),
     ]
     print("\n| | |\n| --- | --- |\n" + "\n".join(f"| {k} | {v} |" for k, v in rows) + "\n")
