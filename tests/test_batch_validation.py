@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -26,13 +27,13 @@ pytestmark = pytest.mark.integration
 FINISHED = ("completed", "failed", "expired", "cancelled")
 
 
-def _line(custom_id: str) -> dict:
+def _line(custom_id: str, model: str = "tiny") -> dict:
     return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
-            "body": {"model": "tiny", "prompt": f"say {custom_id}", "max_tokens": 4}}
+            "body": {"model": model, "prompt": f"say {custom_id}", "max_tokens": 4}}
 
 
-def _upload(client: openai.OpenAI, count: int) -> str:
-    data = "".join(json.dumps(_line(f"v{i}")) + "\n" for i in range(count)).encode()
+def _upload(client: openai.OpenAI, count: int, model: str = "tiny") -> str:
+    data = "".join(json.dumps(_line(f"v{i}", model)) + "\n" for i in range(count)).encode()
     return client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch").id
 
 
@@ -232,8 +233,6 @@ def test_a_model_that_cannot_load_defers_then_fails_the_batch_not_its_lines(
     """A 5xx of the server (the model's tokenizer does not load) is not the lines' fault:
     no line goes to the error file as a bad request; the batch is validated again and,
     on its last allowed claim, fails naming the reason."""
-    import shutil
-
     broken = tmp_path / "broken"
     shutil.copytree(tiny_qwen3_dir, broken)
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -243,12 +242,8 @@ def test_a_model_that_cannot_load_defers_then_fails_the_batch_not_its_lines(
         models={**service_settings.models, "broken": str(broken)}, max_attempts=2)
     client = openai.OpenAI(base_url=start_web(settings) + "/v1", api_key="unused",
                            max_retries=0, timeout=60)
-    lines = [{"custom_id": f"b{i}", "method": "POST", "url": "/v1/completions",
-              "body": {"model": "broken", "prompt": "hi", "max_tokens": 2}} for i in range(3)]
-    data = "".join(json.dumps(line) + "\n" for line in lines).encode()
-    file_id = client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch").id
-    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/completions",
-                                  completion_window="24h")
+    batch = client.batches.create(input_file_id=_upload(client, 3, model="broken"),
+                                  endpoint="/v1/completions", completion_window="24h")
     # the first claim defers: the batch stays validating with its claim released
     wait_for(lambda: _attempts(session_factory, batch.id) >= 1, 60, "a first claim")
     assert client.batches.retrieve(batch.id).status == "validating"
