@@ -8,6 +8,11 @@ WORKDIR /app
 # layer, see README "Accelerators").
 RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
 
+# a C compiler: workers build the native CPU kernel for their CPU at start-up
+# (kernels/native.py; without one they keep torch's paths)
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+
 COPY pyproject.toml README.md ./
 COPY llmq llmq
 COPY webapp webapp

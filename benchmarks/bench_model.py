@@ -2,10 +2,12 @@
 
 Measured in one run, beside the CPU description (model, ISA flags, threads, versions):
 1. batch-1 decode milliseconds per step beside the memory-bandwidth floor: the bytes of
-   weights one decode step reads, divided by the copy bandwidth measured here with a large
-   tensor copy (STREAM convention: bytes read + bytes written, per second); for our
-   the linear path the runner picks at start-up ("ours") and the other one (prepacked
-   oneDNN weights or torch's reference `linear`), alternated, medians;
+   weights one decode step reads, divided by the read bandwidth measured here (a sum over
+   a tensor far larger than the caches, the fastest of 1 and 2 threads); also beside the
+   copy bandwidth of a large tensor copy (STREAM convention: bytes read + bytes written,
+   per second), the convention of earlier figures; for the linear path the runner picks
+   at start-up ("ours") and another one (oneDNN prepacked weights, or torch's reference
+   `linear` when ours is prepacked), alternated, medians;
 2. output tokens/s at batch 1, 16 and 64 (same prompt length, same number of new tokens,
    EOS ignored) beside Hugging Face `generate` on the same prompts, same dtype.
 
@@ -44,6 +46,18 @@ def copy_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
         dst.copy_(src)
         best = min(best, time.perf_counter() - t)
     return 2 * num_bytes / best
+
+
+def read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Best bytes/s of summing a bf16 tensor far larger than the caches, on this many
+    threads (a sum reads each byte once and writes nothing)."""
+    src = torch.ones(num_bytes // 2, dtype=torch.bfloat16)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        src.sum()
+        best = min(best, time.perf_counter() - t)
+    return num_bytes / best
 
 
 def step_weight_bytes(model: torch.nn.Module, tied: bool) -> int:
@@ -153,7 +167,7 @@ def main() -> None:
     # beside it as the A/B
     benches = {"ours": make_bench(model_dir, args.dtype, None, *shape)}
     runner = benches["ours"].runner
-    other = "prepacked" if runner.linear_path == "reference" else "reference"
+    other = "reference" if runner.linear_path == "prepacked" else "prepacked"
     if not args.no_reference:
         benches[other] = make_bench(model_dir, args.dtype, other, *shape)
     loaded = runner.loaded
@@ -165,16 +179,30 @@ def main() -> None:
                                 generator=gen).tolist()
 
     bandwidth = copy_bandwidth()
+    reads = {}
+    for threads in sorted({args.threads, 1}):
+        torch.set_num_threads(threads)
+        reads[threads] = read_bandwidth()
+    torch.set_num_threads(args.threads)
+    read = max(reads.values())
     weight_bytes = step_weight_bytes(loaded.model, config.tie_word_embeddings)
-    floor_ms = weight_bytes / bandwidth * 1e3
+    floor_ms = weight_bytes / read * 1e3
+    copy_floor_ms = weight_bytes / bandwidth * 1e3
     print(describe())
     print(f"model: {config.arch} {num_params / 1e6:.1f}M params, {config.dtype}; "
           f"prompt {args.prompt_len}, {args.new_tokens} new tokens")
-    probe = ", ".join(f"batch {m} {r:.2f}" for m, r in runner.linear_probe.items())
-    print(f"linear path chosen at start-up: {runner.linear_path} (time prepacked / torch "
-          f"linear on the model's shapes: {probe or 'not measured'})")
-    print(f"copy bandwidth {bandwidth / 1e9:.2f} GB/s (read+write); a decode step reads "
-          f"{weight_bytes / 1e6:.0f} MB of weights -> floor {floor_ms:.1f} ms/step")
+    probe = "; ".join(f"batch {m} " + ", ".join(f"{name} {t * 1e3:.1f}"
+                                                for name, t in by_path.items())
+                      for m, by_path in runner.linear_probe.items())
+    print(f"linear path chosen at start-up: {runner.linear_path}, native kernel up to "
+          f"{runner.skinny_rows} rows, plain weights up to {runner.plain_rows} rows (ms per "
+          f"pass over the model's weights: {probe or 'not measured'})")
+    print("read bandwidth " + ", ".join(f"{reads[t] / 1e9:.2f} GB/s on {t} thread(s)"
+                                         for t in reads)
+          + f"; copy bandwidth {bandwidth / 1e9:.2f} GB/s (read+write)")
+    print(f"a decode step reads {weight_bytes / 1e6:.0f} MB of weights -> floor "
+          f"{floor_ms:.1f} ms/step at the read bandwidth ({copy_floor_ms:.1f} ms at the copy "
+          f"bandwidth)")
 
     for bench in benches.values():
         bench.generate(all_prompts[:1], 8)  # warm up
@@ -189,8 +217,8 @@ def main() -> None:
         for name, times in step_times.items():
             med, best = median(times) * 1e3, min(times) * 1e3
             print(f"batch-1 decode, {threads} thread(s), {name}: median {med:.1f} ms/step "
-                  f"({med / floor_ms:.2f}x the floor), best {best:.1f} ms/step "
-                  f"({best / floor_ms:.2f}x)", flush=True)
+                  f"({med / floor_ms:.2f}x the floor; {med / copy_floor_ms:.2f}x the copy "
+                  f"floor), best {best:.1f} ms/step ({best / floor_ms:.2f}x)", flush=True)
         if other in step_times:
             print(f"  ours ({runner.linear_path}) / {other} median: "
                   f"{median(step_times['ours']) / median(step_times[other]):.2f}")

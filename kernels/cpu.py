@@ -39,6 +39,13 @@ def cpu_flags() -> frozenset[str]:
     return _cpuinfo()[1]
 
 
+def cpu_description_key() -> str:
+    """This CPU's model, architecture and every flag, as one string: what a build for
+    `-march=native` depends on."""
+    model, flags = _cpuinfo()
+    return f"{platform.machine()}|{model}|{' '.join(sorted(flags))}"
+
+
 def has_native_bf16() -> bool:
     """True when the CPU multiplies bf16 in hardware, so bf16 weights halve the bytes a
     step reads without an emulation cost."""

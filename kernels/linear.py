@@ -1,5 +1,6 @@
-"""Dense projections `x @ W^T + b`, and the CPU's faster path for them: weights prepacked
-once, at start-up, into oneDNN's blocked layout for this CPU's ISA.
+"""Dense projections `x @ W^T + b`, and the CPU's faster paths for them: weights prepacked
+once, at start-up, into oneDNN's blocked layout for this CPU's ISA, and our own kernel for
+calls of few rows (kernels/native.py), which reads the plain weights as they are.
 
 Why: torch's default CPU `linear` repacks the weight on every call and picks a poor
 small-M kernel on some CPUs (Zen 4 fp32: 2-3x slower than the prepacked oneDNN call at
@@ -12,17 +13,20 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kernels import native
 
 # dtypes oneDNN's prepacked linear takes on CPU (fp16 has no fast x86 path)
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 # the batch size the blocked layout is tuned for; any M runs on it (decode batches are
 # 1..max_num_seqs rows, prefills hundreds)
 PACK_BATCH_HINT = 16
-# the row counts the start-up timing compares the two paths at
-PROBE_BATCH_SIZES = (1, 4, 16)
+# the row counts the start-up timing compares the paths at
+PROBE_BATCH_SIZES = (1, 2, 4, 8, 16)
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
@@ -38,45 +42,101 @@ def prepack(weight: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`x @ weight^T + bias`; `weight` plain [out, in] or `prepack`ed."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           skinny_rows: int = 0) -> torch.Tensor:
+    """`x @ weight^T + bias`; `weight` plain [out, in] or `prepack`ed. A plain weight
+    multiplies calls of at most `skinny_rows` rows with the native kernel
+    (kernels/native.py), larger ones with torch's `linear`."""
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    if x.shape[0] <= skinny_rows:
+        return native.skinny_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
-def prepacked_speedup(weights: list[torch.Tensor],
-                      batch_sizes: tuple[int, ...] = PROBE_BATCH_SIZES,
-                      rounds: int = 7) -> dict[int, float]:
-    """Per batch size M: median time of the prepacked path over torch's `linear` for
-    `x [M, in] @ w^T` summed over `weights` (below 1: prepacking wins).
+def time_paths(weights: list[torch.Tensor], batch_sizes: tuple[int, ...] = PROBE_BATCH_SIZES,
+               rounds: int = 7) -> dict[int, dict[str, float]]:
+    """Per batch size M, per path: the median seconds of `x [M, in] @ w^T` summed over
+    `weights`. Paths: "reference" (torch's `linear`), "prepacked" (oneDNN, when every
+    weight can be packed), "native" (kernels/native.py, when it builds here).
 
     Which path wins depends on the CPU, the dtype, M and the threads (on a Xeon with AMX,
-    fp32 at M=1 reads faster through MKL; bf16 through oneDNN at every M), so it is
-    measured on the model's own shapes rather than assumed. The two paths take turns,
-    round by round, so a neighbour's load falls on both."""
-    packed = [prepack(w) for w in weights]
-    ratios: dict[int, float] = {}
+    fp32 at M=1 reads faster through MKL; bf16 through oneDNN at every M; on Zen 4 the
+    native kernel reads fastest at few rows), so it is measured on the model's own shapes
+    rather than assumed. The paths take turns, round by round and in a rotating order, so
+    a neighbour's load falls on all of them."""
+    calls: dict[str, list[tuple[torch.Tensor, int]]] = {
+        "reference": [(w, 0) for w in weights]}
+    if all(can_prepack(w) for w in weights):
+        calls["prepacked"] = [(prepack(w), 0) for w in weights]
+    if all(native.supports(w) for w in weights):
+        calls["native"] = [(w, max(batch_sizes)) for w in weights]
+    names = list(calls)
+    result: dict[int, dict[str, float]] = {}
     with torch.inference_mode():
         for m in batch_sizes:
             xs = [torch.randn(m, w.shape[1], dtype=w.dtype, device=w.device) for w in weights]
-            times: dict[bool, list[float]] = {False: [], True: []}
+            times: dict[str, list[float]] = {name: [] for name in names}
             for round_ in range(rounds + 1):
-                for use_packed in (False, True) if round_ % 2 else (True, False):
+                shift = round_ % len(names)
+                for name in names[shift:] + names[:shift]:
                     start = time.perf_counter()
-                    for x, w, p in zip(xs, weights, packed):
-                        linear(x, p if use_packed else w)
-                    if round_:  # the first round warms both paths up
-                        times[use_packed].append(time.perf_counter() - start)
-            ratios[m] = statistics.median(times[True]) / statistics.median(times[False])
-    return ratios
+                    for x, (w, skinny_rows) in zip(xs, calls[name]):
+                        linear(x, w, skinny_rows=skinny_rows)
+                    if round_:  # the first round warms every path up
+                        times[name].append(time.perf_counter() - start)
+            result[m] = {name: statistics.median(times[name]) for name in names}
+    return result
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    """Which kernel takes a projection call of M rows, from `time_paths`.
+
+    Calls of at most `skinny_rows` rows take the native kernel; then, with `prepack`,
+    calls of at most `plain_rows` rows take torch's `linear` on the plain weight and
+    larger ones the prepacked copy (`plain_rows` None: the plain weight is freed);
+    without, torch's `linear` takes the rest."""
+
+    name: str  # "reference", "prepacked", "split" or "native"
+    prepack: bool = False
+    plain_rows: int | None = None
+    skinny_rows: int = 0
+
+
+def choose_plan(times: dict[int, dict[str, float]]) -> LinearPlan:
+    """The plan `time_paths`' figures argue for: the native kernel up to the last row
+    count where it is the fastest of all (from one row on, without a gap), then oneDNN's
+    prepacked path or torch's `linear`, whichever wins above (a split where each wins a
+    range)."""
+    sizes = sorted(times)
+    skinny_rows = 0
+    for m in sizes:
+        if "native" not in times[m] or min(times[m], key=times[m].get) != "native":
+            break
+        skinny_rows = m
+    rest = [m for m in sizes if m > skinny_rows] or sizes[-1:]
+    if "prepacked" not in times[rest[0]]:
+        return LinearPlan("native" if skinny_rows else "reference", skinny_rows=skinny_rows)
+    ratios = {m: times[m]["prepacked"] / times[m]["reference"] for m in rest}
+    limit = plain_rows_limit(ratios)
+    if skinny_rows:
+        if limit is None and all(r >= 1.0 for r in ratios.values()):
+            return LinearPlan("native", skinny_rows=skinny_rows)  # torch's linear above
+        return LinearPlan("native", prepack=True, plain_rows=limit or skinny_rows,
+                          skinny_rows=skinny_rows)
+    if limit is not None:
+        return LinearPlan("split", prepack=True, plain_rows=limit)
+    if sum(ratios.values()) < len(ratios):
+        return LinearPlan("prepacked", prepack=True)
+    return LinearPlan("reference")
 
 
 def plain_rows_limit(ratios: dict[int, float]) -> int | None:
-    """From `prepacked_speedup`'s ratios: None when one path wins at every probed M (the
-    caller keeps that one alone); else the largest M up to which torch's `linear` is
-    faster while prepacking wins above it: keep both copies and split the calls there.
+    """From the ratios of prepacked over torch's `linear` time per M: None when one path
+    wins at every probed M (the caller keeps that one alone); else the largest M up to
+    which torch's `linear` is faster while prepacking wins above it: keep both copies and
+    split the calls there.
 
     NOTE: a split doubles the projection weights' memory; it is what a Xeon with AMX
     gives in fp32 (MKL reads faster at M=1, oneDNN's packing wins at M=16)."""

@@ -15,15 +15,18 @@ from collections.abc import Callable
 import torch
 
 from kernels import linear as dense
+from kernels import native
 from kernels.attention import build_attention_metadata
 from workers.engine.loader import LoadedCheckpoint
-from workers.engine.models.layers import prepack_linears, probe_weights
+from workers.engine.models.layers import prepack_linears, probe_weights, use_native_kernel
 from workers.engine.step_io import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 LINEAR_PATH_ENV = "LLMQ_LINEAR_PATH"
-LINEAR_PATHS = ("auto", "prepacked", "reference", "split")
+LINEAR_PATHS = ("auto", "prepacked", "reference", "split", "native")
+# the rows the native kernel takes when `native` is asked for by name
+NATIVE_ROWS = 4
 
 
 class ModelRunner:
@@ -46,10 +49,12 @@ class ModelRunner:
         """`linear_path` (CPU): `prepacked` swaps each projection's weight for oneDNN's
         prepacked copy (kernels/linear.py; the plain copy is freed, the model can no longer
         move); `reference` keeps torch's `linear`; `split` keeps both and gives the calls
-        of few rows to torch's `linear` (twice the projection memory); `auto` times both
-        on the model's own shapes at start-up and takes what wins at each probed row
-        count; None: `LLMQ_LINEAR_PATH` (default `auto`). `self.linear_path` says which
-        path runs."""
+        of few rows to torch's `linear` (twice the projection memory); `native` gives
+        calls of up to `NATIVE_ROWS` rows to our kernel on the plain weight and larger
+        ones to the prepacked copy (twice the memory too); `auto` times the paths on the
+        model's own shapes at start-up and takes what wins at each probed row count
+        (`kernels.linear.choose_plan`); None: `LLMQ_LINEAR_PATH` (default `auto`).
+        `self.linear_path` says which path runs."""
         self.loaded = loaded
         self.model = loaded.model
         config = loaded.config
@@ -73,53 +78,64 @@ class ModelRunner:
         self.kv_cache = torch.zeros((num_blocks, *self._block_shape), dtype=self.dtype,
                                     device=self.device)
         self._sample: Callable | None = None
-        # "prepacked" (oneDNN), "reference" (torch's linear) or "split" (torch's linear up
-        # to `plain_rows` rows, oneDNN above); the batch size -> time ratio prepacked /
-        # reference measured at start-up, when it was
+        # "prepacked" (oneDNN), "reference" (torch's linear), "split" (torch's linear up
+        # to `plain_rows` rows, oneDNN above) or "native" (our kernel up to `skinny_rows`
+        # rows, then as the plan says); per batch size, per path, the seconds measured at
+        # start-up, when they were
         self.linear_path = "reference"
         self.plain_rows: int | None = None
-        self.linear_probe: dict[int, float] = {}
+        self.skinny_rows = 0
+        self.linear_probe: dict[int, dict[str, float]] = {}
         if self.device.type == "cpu":
             path = linear_path_setting() if linear_path is None else check_linear_path(
                 linear_path)
-            if path == "auto":
-                path = self._probe_linear_path()
-            elif path == "split":
-                self.plain_rows = dense.PROBE_BATCH_SIZES[0]
-            if path != "reference":
-                num_packed = prepack_linears(self.model, self.plain_rows)  # None: no split
-                self.linear_path = path
-                logger.info("linear layers on %s: %d weights prepacked for oneDNN (%s%s)",
-                            self.device, num_packed, self.dtype,
-                            f"; torch's linear up to {self.plain_rows} rows"
-                            if path == "split" else "")
+            plan = self._probe_linear_path() if path == "auto" else fixed_plan(path)
+            self._apply_linear_plan(plan)
         from kernels import dispatch
 
         dispatch.log_choices(self.device.type)
         logger.info("KV cache: %d blocks of %d tokens (%d bytes each) on %s", num_blocks,
                     block_size, self._bytes_per_block, self.device)
 
-    def _probe_linear_path(self) -> str:
-        """Time the prepacked and the reference linear on this model's weights (its
-        layers' projections up to `PROBE_MAX_BYTES`, and the LM head) at a few row counts:
-        the path that wins at every one, else a split at the crossover."""
+    def _probe_linear_path(self) -> dense.LinearPlan:
+        """Time the paths (torch's linear, oneDNN prepacked, the native kernel) on this
+        model's weights (its layers' projections up to `PROBE_MAX_BYTES`, and the LM
+        head) at a few row counts, and plan by what wins where (`dense.choose_plan`)."""
         weights = probe_weights(self.model)
-        if not weights or not all(dense.can_prepack(w) for w in weights):
-            return "reference"
+        if not weights:
+            return dense.LinearPlan("reference")
         started = time.perf_counter()
-        self.linear_probe = ratios = dense.prepacked_speedup(weights)
+        self.linear_probe = times = dense.time_paths(weights)
         probe_seconds = time.perf_counter() - started
-        self.plain_rows = dense.plain_rows_limit(ratios)
-        if self.plain_rows is not None:
-            path = "split"
-        else:
-            path = "prepacked" if sum(ratios.values()) < len(ratios) else "reference"
-        logger.info("linear path on %s, %s, %d threads: %s (time prepacked / torch linear: "
-                    "%s; timed on %d weights in %.1f s)", self.device, self.dtype,
-                    torch.get_num_threads(), path,
-                    ", ".join(f"batch {m} {r:.2f}" for m, r in ratios.items()), len(weights),
-                    probe_seconds)
-        return path
+        plan = dense.choose_plan(times)
+        logger.info("linear paths timed on %s, %s, %d threads, %d weights in %.1f s "
+                    "(ms per pass): %s", self.device, self.dtype, torch.get_num_threads(),
+                    len(weights), probe_seconds, "; ".join(
+                        f"batch {m} " + ", ".join(f"{name} {t * 1e3:.2f}"
+                                                  for name, t in by_path.items())
+                        for m, by_path in times.items()))
+        return plan
+
+    def _apply_linear_plan(self, plan: dense.LinearPlan) -> None:
+        if plan.skinny_rows and not native.available():
+            plan = fixed_plan("prepacked")  # "native" asked for where it cannot build
+        self.linear_path = plan.name
+        self.plain_rows, self.skinny_rows = plan.plain_rows, plan.skinny_rows
+        num_packed = prepack_linears(self.model, plan.plain_rows) if plan.prepack else 0
+        num_native = use_native_kernel(self.model, plan.skinny_rows) if plan.skinny_rows else 0
+        parts = []
+        if num_native:
+            parts.append(f"native kernel ({native.isa()}) up to {plan.skinny_rows} rows "
+                         f"on {num_native} weights")
+        if num_packed and plan.plain_rows is not None and plan.plain_rows > plan.skinny_rows:
+            parts.append(f"torch's linear up to {plan.plain_rows} rows")
+        if num_packed:
+            parts.append(f"oneDNN prepacked above ({num_packed} weights)" if parts
+                         else f"{num_packed} weights prepacked for oneDNN")
+        elif parts:
+            parts.append("torch's linear above")
+        logger.info("linear path on %s, %s: %s (%s)", self.device, self.dtype, plan.name,
+                    "; ".join(parts) or "torch's linear")
 
     @property
     def num_blocks(self) -> int:
@@ -271,3 +287,15 @@ def check_linear_path(value: str, name: str = "linear_path") -> str:
     if path not in LINEAR_PATHS:
         raise ValueError(f"{name}={value!r}: expected one of {', '.join(LINEAR_PATHS)}")
     return path
+
+
+def fixed_plan(path: str) -> dense.LinearPlan:
+    """The plan a linear path asked for by name means (no timing)."""
+    if path == "prepacked":
+        return dense.LinearPlan("prepacked", prepack=True)
+    if path == "split":
+        return dense.LinearPlan("split", prepack=True, plain_rows=dense.PROBE_BATCH_SIZES[0])
+    if path == "native":
+        return dense.LinearPlan("native", prepack=True, plain_rows=NATIVE_ROWS,
+                                skinny_rows=NATIVE_ROWS)
+    return dense.LinearPlan("reference")

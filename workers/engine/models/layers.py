@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import linear as dense
+from kernels import native
 
 
 class ShapeMismatch(ValueError):
@@ -67,6 +68,8 @@ class LinearBase(nn.Module):
     # at most `plain_rows` rows take the plain one, larger ones the copy
     packed_weight: torch.Tensor | None = None
     plain_rows = 0
+    # calls of at most this many rows on the plain weight take the native kernel
+    skinny_rows = 0
 
     def prepack(self, plain_rows: int | None = None) -> bool:
         """Swap the loaded weight for its prepacked copy (CPU; kernels/linear.py), or with
@@ -83,9 +86,13 @@ class LinearBase(nn.Module):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._project(x, self.bias)
+
+    def _project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """`x @ W^T + bias` on the path this call's row count takes."""
         if self.packed_weight is not None and x.shape[0] > self.plain_rows:
-            return dense.linear(x, self.packed_weight, self.bias)
-        return dense.linear(x, self.weight, self.bias)
+            return dense.linear(x, self.packed_weight, bias)
+        return dense.linear(x, self.weight, bias, self.skinny_rows)
 
 
 class ReplicatedLinear(LinearBase):
@@ -167,7 +174,7 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = dense.linear(x, self.weight)
+        y = self._project(x, None)
         if self.tp_size > 1:
             dist.all_reduce(y)  # TP: sum the partial products of every rank
         if self.bias is not None:
@@ -211,6 +218,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     packed_weight: torch.Tensor | None = None
     plain_rows = 0  # calls of at most this many rows take the plain weight (a split)
+    skinny_rows = 0  # calls of at most this many rows take the native kernel
 
     def prepack(self, plain_rows: int | None = None) -> bool:
         """Keep a prepacked copy of the projection beside the weight (CPU); True if it
@@ -228,12 +236,23 @@ class ParallelLMHead(VocabParallelEmbedding):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = (self.weight if self.packed_weight is None or hidden.shape[0] <= self.plain_rows
                   else self.packed_weight)
-        logits = dense.linear(hidden, weight)
+        logits = dense.linear(hidden, weight, skinny_rows=self.skinny_rows)
         if self.tp_size > 1:  # TP: gather the vocabulary slices of every rank
             parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
             dist.all_gather(parts, logits)
             logits = torch.cat(parts, dim=-1)
         return logits
+
+
+def use_native_kernel(model: nn.Module, skinny_rows: int) -> int:
+    """Give every projection of `model` whose plain weight the native kernel takes
+    (kernels/native.py) the calls of at most `skinny_rows` rows; returns how many."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, LinearBase | ParallelLMHead) and native.supports(module.weight):
+            module.skinny_rows = skinny_rows
+            count += 1
+    return count
 
 
 def prepack_linears(model: nn.Module, plain_rows: int | None = None) -> int:

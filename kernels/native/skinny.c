@@ -1,0 +1,205 @@
+/* y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for few rows m: the decode step's
+ * projections, which read every weight once per step and are bound by memory bandwidth.
+ *
+ * The weight stays in its checkpoint layout (row-major [N, K]); four weight rows are
+ * streamed side by side and each is dotted with every row of x while it is in registers,
+ * so a weight byte is read from memory once per call whatever M is. Sums are fp32; a bf16
+ * output is rounded to nearest even. Threads split the output features (OpenMP: the same
+ * runtime torch's CPU ops use, shared when both are loaded in one process).
+ *
+ * Built at first use by kernels/native.py with -march=native: the AVX-512 paths are
+ * compiled only where the building CPU has them; elsewhere the plain loops below are
+ * left to the compiler's vectoriser. */
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define MR 4   /* x rows per pass over a block */
+
+/* The block bodies are inlined into one copy per x-row count (1..MR, a constant there):
+ * with a constant count the accumulators stay in registers; indexed by a runtime count
+ * they would live on the stack and every multiply-add would wait for a store. */
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) /* NaN stays a quiet NaN */
+        return (uint16_t)((bits >> 16) | 0x40);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* Each block function dots ONE weight row with `mr` rows of x. Rows are taken one after
+ * another, so a thread reads its share of the weight as one sequential stream: the
+ * hardware prefetcher follows one stream at full speed, while four rows read side by side
+ * (four short streams, a page boundary every few rows) ran at two thirds of it. */
+
+/* ---- fp32 ------------------------------------------------------------------------ */
+
+#if defined(__AVX512F__)
+static ALWAYS_INLINE void block_f32_rows(const float *x, const float *w, float *out,
+                                         int64_t K, int64_t mr, int64_t ldx) {
+    __m512 acc[MR][2];
+    for (int64_t i = 0; i < mr; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        __m512 a = _mm512_loadu_ps(w + k), b = _mm512_loadu_ps(w + k + 16);
+        for (int64_t i = 0; i < mr; ++i) {
+            acc[i][0] = _mm512_fmadd_ps(_mm512_loadu_ps(x + i * ldx + k), a, acc[i][0]);
+            acc[i][1] = _mm512_fmadd_ps(_mm512_loadu_ps(x + i * ldx + k + 16), b, acc[i][1]);
+        }
+    }
+    for (; k < K; k += 16) {
+        int64_t left = K - k < 16 ? K - k : 16;
+        __mmask16 m = (__mmask16)((1u << left) - 1);
+        __m512 a = _mm512_maskz_loadu_ps(m, w + k);
+        for (int64_t i = 0; i < mr; ++i)
+            acc[i][0] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, x + i * ldx + k), a, acc[i][0]);
+    }
+    for (int64_t i = 0; i < mr; ++i) out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]));
+}
+#else
+static ALWAYS_INLINE void block_f32_rows(const float *x, const float *w, float *out,
+                                         int64_t K, int64_t mr, int64_t ldx) {
+    for (int64_t i = 0; i < mr; ++i) {
+        const float *xr = x + i * ldx;
+        float sum = 0.f;
+        for (int64_t k = 0; k < K; ++k) sum += xr[k] * w[k];
+        out[i] = sum;
+    }
+}
+#endif
+
+/* ---- bf16 ------------------------------------------------------------------------ */
+
+#if defined(__AVX512F__)
+static inline __m512 widen_bf16_masked(const uint16_t *p, __mmask16 m) {
+    __m256i h = _mm256_maskz_loadu_epi16(m, p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
+#if defined(__AVX512BF16__)
+/* vdpbf16ps: 32 bf16 pairs per instruction, each pair's products summed into fp32 */
+static ALWAYS_INLINE void block_bf16_rows(const uint16_t *x, const uint16_t *w,
+                                          float *out, int64_t K, int64_t mr, int64_t ldx) {
+    __m512 acc[MR][2];
+    for (int64_t i = 0; i < mr; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64) {
+        __m512bh a = (__m512bh)_mm512_loadu_si512(w + k),
+                 b = (__m512bh)_mm512_loadu_si512(w + k + 32);
+        for (int64_t i = 0; i < mr; ++i) {
+            acc[i][0] = _mm512_dpbf16_ps(acc[i][0],
+                                         (__m512bh)_mm512_loadu_si512(x + i * ldx + k), a);
+            acc[i][1] = _mm512_dpbf16_ps(acc[i][1],
+                                         (__m512bh)_mm512_loadu_si512(x + i * ldx + k + 32), b);
+        }
+    }
+    for (; k < K; k += 16) { /* the tail, widened to fp32 16 at a time */
+        int64_t left = K - k < 16 ? K - k : 16;
+        __mmask16 m = (__mmask16)((1u << left) - 1);
+        __m512 a = widen_bf16_masked(w + k, m);
+        for (int64_t i = 0; i < mr; ++i)
+            acc[i][0] = _mm512_fmadd_ps(widen_bf16_masked(x + i * ldx + k, m), a, acc[i][0]);
+    }
+    for (int64_t i = 0; i < mr; ++i) out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]));
+}
+#elif defined(__AVX512F__)
+static ALWAYS_INLINE void block_bf16_rows(const uint16_t *x, const uint16_t *w,
+                                          float *out, int64_t K, int64_t mr, int64_t ldx) {
+    __m512 acc[MR];
+    for (int64_t i = 0; i < mr; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        int64_t left = K - k < 16 ? K - k : 16;
+        __mmask16 m = (__mmask16)((1u << left) - 1);
+        __m512 a = widen_bf16_masked(w + k, m);
+        for (int64_t i = 0; i < mr; ++i)
+            acc[i] = _mm512_fmadd_ps(widen_bf16_masked(x + i * ldx + k, m), a, acc[i]);
+    }
+    for (int64_t i = 0; i < mr; ++i) out[i] = _mm512_reduce_add_ps(acc[i]);
+}
+#else
+static ALWAYS_INLINE void block_bf16_rows(const uint16_t *x, const uint16_t *w,
+                                          float *out, int64_t K, int64_t mr, int64_t ldx) {
+    for (int64_t i = 0; i < mr; ++i) {
+        const uint16_t *xr = x + i * ldx;
+        float sum = 0.f;
+        for (int64_t k = 0; k < K; ++k) sum += bf16_to_float(xr[k]) * bf16_to_float(w[k]);
+        out[i] = sum;
+    }
+}
+#endif
+
+#define BY_ROW_COUNT(name, T)                                                            \
+    static void name(const T *x, const T *w, float *out, int64_t K, int64_t mr,           \
+                     int64_t ldx) {                                                       \
+        switch (mr) {                                                                     \
+        case 1: name##_rows(x, w, out, K, 1, ldx); break;                                \
+        case 2: name##_rows(x, w, out, K, 2, ldx); break;                                \
+        case 3: name##_rows(x, w, out, K, 3, ldx); break;                                \
+        default: name##_rows(x, w, out, K, MR, ldx); break;                              \
+        }                                                                                 \
+    }
+BY_ROW_COUNT(block_f32, float)
+BY_ROW_COUNT(block_bf16, uint16_t)
+
+/* ---- entry points ------------------------------------------------------------------ */
+
+/* Weight rows below this many elements in all go on one thread: a parallel region costs
+ * more than it saves. */
+#define SERIAL_ELEMENTS (1 << 16)
+
+/* x [M, K] (row stride ldx), w [N, K] contiguous, bias [N] or NULL, y [M, N] contiguous */
+void llmq_skinny_f32(const float *x, const float *w, const float *bias, float *y,
+                     int64_t M, int64_t N, int64_t K, int64_t ldx, int threads) {
+    if (N * K < SERIAL_ELEMENTS) threads = 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; ++n)
+        for (int64_t m = 0; m < M; m += MR) {
+            int64_t mr = M - m < MR ? M - m : MR;
+            float part[MR];
+            block_f32(x + m * ldx, w + n * K, part, K, mr, ldx);
+            for (int64_t i = 0; i < mr; ++i)
+                y[(m + i) * N + n] = part[i] + (bias ? bias[n] : 0.f);
+        }
+}
+
+void llmq_skinny_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
+                      uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t ldx,
+                      int threads) {
+    if (N * K < SERIAL_ELEMENTS) threads = 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; ++n)
+        for (int64_t m = 0; m < M; m += MR) {
+            int64_t mr = M - m < MR ? M - m : MR;
+            float part[MR];
+            block_bf16(x + m * ldx, w + n * K, part, K, mr, ldx);
+            for (int64_t i = 0; i < mr; ++i)
+                y[(m + i) * N + n] = float_to_bf16(
+                    part[i] + (bias ? bf16_to_float(bias[n]) : 0.f));
+        }
+}
+
+/* which code path this build took, for the start-up log */
+const char *llmq_skinny_isa(void) {
+#if defined(__AVX512BF16__)
+    return "avx512_bf16";
+#elif defined(__AVX512F__)
+    return "avx512f";
+#else
+    return "generic";
+#endif
+}

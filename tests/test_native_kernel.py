@@ -1,0 +1,196 @@
+"""The native CPU kernel for projections of few rows (kernels/native.py): its results
+against torch's `linear`, how the start-up timing turns into a plan, the engine's tokens on
+it, and the fallback where it cannot be built."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import linear as dense
+from kernels import native
+
+
+@pytest.fixture(autouse=True)
+def _built():
+    # NOTE: no skip: a machine that runs the suite has a C compiler, as a worker host needs
+    assert native.available(), "the native kernel did not build: see the log for the reason"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, out_features, in_features", [
+    (1, 7, 5), (2, 33, 31), (3, 64, 64), (4, 130, 96), (5, 100, 768), (9, 256, 200),
+    (1, 768, 2048)])
+def test_the_kernel_equals_torch_linear_within_the_summation_order(dtype, rows, out_features,
+                                                                   in_features):
+    """Every row count (4 x-rows per pass and the rest), feature counts that are and are not
+    multiples of the vector width, with and without bias, and x rows with a stride wider
+    than their length."""
+    gen = torch.Generator().manual_seed(rows * 1000 + in_features)
+    wide = torch.randn(rows, in_features + 3, generator=gen).to(dtype)
+    x = wide[:, :in_features]  # rows strided by in_features + 3
+    weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
+    bias = torch.randn(out_features, generator=gen).to(dtype)
+    assert native.supports(weight)
+    for b in (None, bias):
+        got = native.skinny_linear(x, weight, b)
+        want = F.linear(x, weight, b)
+        assert got.shape == want.shape and got.dtype == dtype
+        exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
+        if dtype == torch.float32:
+            assert torch.allclose(got.double(), exact, rtol=1e-5, atol=1e-4)
+        else:
+            # fp32 sums rounded once to bf16, as torch's: at most one bf16 step apart
+            assert torch.allclose(got.float(), want.float(), rtol=2 ** -7, atol=1e-2)
+            assert (got != want).float().mean() <= 0.02
+
+
+def test_the_kernel_refuses_what_it_cannot_compute():
+    weight = torch.randn(8, 16)
+    with pytest.raises(TypeError, match="share a dtype"):
+        native.skinny_linear(torch.randn(2, 16).bfloat16(), weight)
+    with pytest.raises(ValueError, match="16"):
+        native.skinny_linear(torch.randn(2, 15), weight)
+    assert not native.supports(weight.half())
+    assert not native.supports(weight.t())  # not contiguous
+    assert not native.supports(dense.prepack(weight))
+
+
+def _times(**by_size: dict[str, float]) -> dict[int, dict[str, float]]:
+    return {int(m[1:]): paths for m, paths in by_size.items()}
+
+
+@pytest.mark.parametrize("times, plan", [
+    # native fastest at 1 and 2 rows, prepacked above: both copies, the split at 2
+    (_times(m1={"reference": 3, "prepacked": 2, "native": 1},
+            m2={"reference": 3, "prepacked": 2, "native": 1},
+            m4={"reference": 3, "prepacked": 1, "native": 2}),
+     dense.LinearPlan("native", prepack=True, plain_rows=2, skinny_rows=2)),
+    # native at 1, torch's linear at 2, prepacked at 4: the plain weight serves up to 2
+    (_times(m1={"reference": 3, "prepacked": 2, "native": 1},
+            m2={"reference": 1, "prepacked": 2, "native": 3},
+            m4={"reference": 3, "prepacked": 1, "native": 2}),
+     dense.LinearPlan("native", prepack=True, plain_rows=2, skinny_rows=1)),
+    # native everywhere probed: torch's linear above, when it beats prepacking at the top
+    (_times(m1={"reference": 3, "prepacked": 4, "native": 1},
+            m4={"reference": 3, "prepacked": 4, "native": 1}),
+     dense.LinearPlan("native", skinny_rows=4)),
+    # native wins only past one row: no native (a gap at one row)
+    (_times(m1={"reference": 1, "prepacked": 2, "native": 3},
+            m4={"reference": 3, "prepacked": 2, "native": 1}),
+     dense.LinearPlan("split", prepack=True, plain_rows=1)),
+    (_times(m1={"reference": 3, "prepacked": 1, "native": 2},
+            m4={"reference": 3, "prepacked": 1, "native": 2}),
+     dense.LinearPlan("prepacked", prepack=True)),
+    (_times(m1={"reference": 1, "prepacked": 3}, m4={"reference": 1, "prepacked": 3}),
+     dense.LinearPlan("reference")),
+    (_times(m1={"reference": 2, "native": 1}, m4={"reference": 1, "native": 2}),
+     dense.LinearPlan("native", skinny_rows=1)),
+])
+def test_the_plan_follows_the_timing(times, plan):
+    assert dense.choose_plan(times) == plan
+
+
+def _greedy_tokens(model_dir: str, dtype: str, monkeypatch, path: str) -> list[list[int]]:
+    from tasks.params import SamplingParams
+    from workers.engine.llm import LLM
+
+    monkeypatch.setenv("LLMQ_LINEAR_PATH", path)
+    prompts = [[5, 9, 13, 2 + i, 7] * (1 + i) for i in range(6)]  # decode batches of 1-6
+    with LLM(model_dir, dtype=dtype, kv_cache_bytes=4 << 20) as llm:
+        runner = llm.engine.runner
+        assert runner.linear_path == path
+        outputs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=4 + 3 * i,
+                                                        ignore_eos=True)
+                                         for i in range(len(prompts))])
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_engine_on_the_native_path_gives_the_reference_paths_tokens(
+        tiny_qwen3_tied_dir, dtype, monkeypatch):
+    """Greedy tokens of a batch whose decodes shrink from 6 rows to 1 (native up to 4,
+    prepacked above) equal torch's `linear` throughout, in fp32 and in bf16."""
+    native_tokens = _greedy_tokens(tiny_qwen3_tied_dir, dtype, monkeypatch, "native")
+    assert native_tokens == _greedy_tokens(tiny_qwen3_tied_dir, dtype, monkeypatch,
+                                           "reference")
+
+
+def test_the_runner_times_three_paths_and_applies_the_plan(tiny_qwen3_tied_dir, monkeypatch):
+    from workers.engine.loader import load_checkpoint
+    from workers.engine.model_runner import ModelRunner
+    from workers.engine.models.layers import LinearBase, ParallelLMHead
+
+    monkeypatch.setenv("LLMQ_LINEAR_PATH", "auto")
+    loaded = load_checkpoint(tiny_qwen3_tied_dir, dtype="bfloat16")
+    runner = ModelRunner(loaded, kv_cache_bytes=1 << 20)
+    times = runner.linear_probe
+    assert set(times) == set(dense.PROBE_BATCH_SIZES)
+    assert all(set(by_path) == {"reference", "prepacked", "native"} and
+               all(t > 0 for t in by_path.values()) for by_path in times.values())
+    plan = dense.choose_plan(times)
+    assert (runner.linear_path, runner.skinny_rows, runner.plain_rows) == (
+        plan.name, plan.skinny_rows, plan.plain_rows)
+    layers = [m for m in loaded.model.modules() if isinstance(m, LinearBase | ParallelLMHead)]
+    assert all(layer.skinny_rows == plan.skinny_rows for layer in layers)
+    assert all((layer.packed_weight is not None or layer.weight.is_mkldnn) == plan.prepack
+               for layer in layers)
+
+
+def test_without_a_compiler_the_native_path_falls_back_to_prepacked(tmp_path,
+                                                                    tiny_qwen3_tied_dir):
+    """A machine with no C compiler: the build fails, the reason is logged, `native` asked
+    for by name runs prepacked and the timing compares only torch's paths."""
+    script = f"""
+import json, logging
+logging.basicConfig(level=logging.WARNING)
+from kernels import native
+from workers.engine.loader import load_checkpoint
+from workers.engine.model_runner import ModelRunner
+loaded = load_checkpoint({str(tiny_qwen3_tied_dir)!r}, dtype="float32")
+named = ModelRunner(loaded, kv_cache_bytes=1 << 20, linear_path="native")
+timed = ModelRunner(load_checkpoint({str(tiny_qwen3_tied_dir)!r}, dtype="float32"),
+                    kv_cache_bytes=1 << 20, linear_path="auto")
+print(json.dumps([native.available(), named.linear_path,
+                  sorted({{p for t in timed.linear_probe.values() for p in t}})]))
+"""
+    env = {**os.environ, "CC": str(tmp_path / "no-such-compiler"),
+           "LLMQ_KERNEL_CACHE": str(tmp_path / "cache")}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                            text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(
+                                os.path.abspath(__file__))))
+    assert result.returncode == 0, result.stderr
+    available, path, probed = json.loads(result.stdout.strip().splitlines()[-1])
+    assert (available, path, probed) == (False, "prepacked", ["prepacked", "reference"])
+    assert "native CPU kernel unavailable" in result.stderr
+
+
+def test_builds_are_kept_per_cpu_and_source(tmp_path):
+    """The build lands in the cache under a name hashed from source, flags and CPU, and a
+    second process loads it without compiling."""
+    script = """
+import json
+from kernels import native
+print(json.dumps([native.available(), str(native._library().path)]))
+"""
+    env = {**os.environ, "LLMQ_KERNEL_CACHE": str(tmp_path)}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    first = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                           text=True, timeout=180, cwd=root)
+    assert first.returncode == 0, first.stderr
+    available, path = json.loads(first.stdout.strip().splitlines()[-1])
+    assert available and os.path.dirname(path) == str(tmp_path)
+    built = os.stat(path).st_mtime_ns
+    again = subprocess.run([sys.executable, "-c", script],
+                           env={**env, "CC": str(tmp_path / "no-such-compiler")},
+                           capture_output=True, text=True, timeout=180, cwd=root)
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout.strip().splitlines()[-1]) == [True, path]
+    assert os.stat(path).st_mtime_ns == built
+    assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(path)]  # no leftovers
