@@ -63,6 +63,10 @@ class DecodeBatch:
     context_lens: list[int]  # [num_decodes] tokens each decode attends to (new one included)
     groups: list[DecodeGroup]  # padded groups; the decodes in none run one by one
     singles: list[int]  # indices of the decodes that run one by one
+    all_tables: torch.Tensor | None = None  # [sum of table lengths] the tables end to end
+    # what a backend's decode derives from the fields above, once per step (it reads
+    # every layer the same metadata)
+    backend_cache: dict | None = None
 
 
 @dataclass(slots=True)
@@ -130,17 +134,18 @@ def build_attention_metadata(
         for count in dec_num_blocks:
             starts.append(starts[-1] + count)
         tables = [dec_blocks[a:b] for a, b in zip(starts, starts[1:])]
+        # one tensor for every table, split into views: one host-to-device copy
+        all_tables = torch.tensor(dec_blocks, dtype=torch.int64, device=dev)
         decodes = DecodeBatch(
             rows=torch.tensor(dec_rows, dtype=torch.int64, device=dev),
             rows_are_all=len(dec_rows) == row,
-            # one tensor for every table, split into views: one host-to-device copy
-            block_tables=list(torch.tensor(dec_blocks, dtype=torch.int64,
-                                           device=dev).split(dec_num_blocks)),
+            block_tables=list(all_tables.split(dec_num_blocks)),
             context_lens=dec_lens,
             groups=[_padded_group(members, tables, dec_lens, block_size, dev,
                                   whole=len(members) == len(dec_rows))
                     for members in groups],
             singles=singles,
+            all_tables=all_tables,
         )
     return AttentionMetadata(
         kv_cache=kv_cache,
@@ -216,22 +221,25 @@ def paged_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
+    decode=None,
 ) -> torch.Tensor:
     """Attention of q [num_tokens, num_heads, head_dim] over each sequence's context.
 
     k, v [num_tokens, num_kv_heads, head_dim] are this step's new keys/values, already
-    stored in the cache. Returns [num_tokens, num_heads * head_dim].
+    stored in the cache. Returns [num_tokens, num_heads * head_dim]. `decode`: a
+    backend's function for the decodes, with `_decode`'s signature (default `_decode`).
     """
     num_tokens, num_heads, head_dim = q.shape
+    decode = decode or _decode
     decodes = meta.decodes
     if decodes is not None and decodes.rows_are_all:
-        return _decode(q, k_cache, v_cache, decodes).view(num_tokens, num_heads * head_dim)
+        return decode(q, k_cache, v_cache, decodes).view(num_tokens, num_heads * head_dim)
     out = q.new_empty(num_tokens, num_heads * head_dim)
     for chunk in meta.chunks:
         rows = slice(chunk.token_start, chunk.token_start + chunk.num_seqs * chunk.num_tokens)
         out[rows] = _chunk(q[rows], k[rows], v[rows], k_cache, v_cache, chunk).flatten(1)
     if decodes is not None:
-        out[decodes.rows] = _decode(q[decodes.rows], k_cache, v_cache, decodes).flatten(1)
+        out[decodes.rows] = decode(q[decodes.rows], k_cache, v_cache, decodes).flatten(1)
     return out
 
 

@@ -1,5 +1,7 @@
-"""Our own CPU kernel for the projections of few rows (`native/skinny.c`), built for this
-CPU at first use and called through ctypes.
+"""Our own CPU kernels, built for this CPU at first use and called through ctypes: the
+projections of few rows (`native/skinny.c`) and the small operations of a step
+(`native/step_ops.c`: RMSNorm, rotary, the gated activation, the KV store, decode
+attention), which `register()` puts in `kernels.dispatch` for the CPU.
 
 Why: a decode step multiplies a handful of rows by every weight, so it is bound by how
 fast the weights stream from memory. Read in their checkpoint layout, one row after
@@ -31,9 +33,11 @@ from kernels.cpu import cpu_description_key
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("native") / "skinny.c"
+SOURCES = tuple(Path(__file__).with_name("native") / name
+                for name in ("skinny.c", "step_ops.c"))
 CACHE_ENV = "LLMQ_KERNEL_CACHE"
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
+# -ffp-contract=off: `a * b - c * d` stays two roundings, as torch's elementwise ops
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off")
 DTYPES = (torch.float32, torch.bfloat16)
 # seconds a build may take before it is given up (it takes about half a second)
 BUILD_TIMEOUT = 120
@@ -46,15 +50,15 @@ def cache_dir() -> Path:
     return Path.home() / ".cache" / "llmq" / "kernels"
 
 
-def _build(source: Path, target: Path) -> None:
-    """Compile `source` into `target`, atomically: a process that builds the same library
+def _build(sources: tuple[Path, ...], target: Path) -> None:
+    """Compile `sources` into `target`, atomically: a process that builds the same library
     at the same moment (two workers starting) finds either none or a whole one."""
     target.parent.mkdir(parents=True, exist_ok=True)
     compiler = os.environ.get("CC", "cc")
     fd, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
     os.close(fd)
     try:
-        result = subprocess.run([compiler, *CFLAGS, "-o", partial, str(source)],
+        result = subprocess.run([compiler, *CFLAGS, "-o", partial, *map(str, sources), "-lm"],
                                 capture_output=True, text=True, timeout=BUILD_TIMEOUT)
         if result.returncode:
             raise OSError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
@@ -74,19 +78,38 @@ class _Library:
         lib.llmq_skinny_isa.restype = ctypes.c_char_p
         self.by_dtype = {torch.float32: lib.llmq_skinny_f32,
                          torch.bfloat16: lib.llmq_skinny_bf16}
+        flt = ctypes.c_float
+        signatures = {
+            "rms_norm": [ptr, i64, i64, i64, i64, i64, ptr, flt, ptr, ctypes.c_int],
+            "add_rms_norm": [ptr, ptr, i64, i64, ptr, flt, ptr, ptr, ctypes.c_int],
+            "rotary": [ptr, i64, i64, i64, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int],
+            "silu_and_mul": [ptr, i64, i64, ptr, ctypes.c_int],
+            "store_kv": [ptr, ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, ptr, ptr],
+            "decode_attention": [ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, i64, i64, ptr,
+                                 ptr, ptr, flt, ptr, ctypes.c_int],
+        }
+        # op name -> dtype -> function
+        self.ops: dict[str, dict[torch.dtype, ctypes._CFuncPtr]] = {}
+        for op, argtypes in signatures.items():
+            self.ops[op] = {}
+            for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
+                fn = getattr(lib, f"llmq_{op}_{suffix}")
+                fn.argtypes = argtypes
+                fn.restype = ctypes.c_int if op == "decode_attention" else None
+                self.ops[op][dtype] = fn
         self.isa = lib.llmq_skinny_isa().decode()
         self.path = path
 
 
 @functools.cache
 def _library() -> _Library | None:
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in SOURCES)
     key = hashlib.sha256(source + " ".join(CFLAGS).encode()
                          + cpu_description_key().encode()).hexdigest()[:16]
-    target = cache_dir() / f"skinny-{key}.so"
+    target = cache_dir() / f"llmq-cpu-{key}.so"
     try:
         if not target.exists():
-            _build(SOURCE, target)
+            _build(SOURCES, target)
         library = _Library(target)
     except (OSError, subprocess.SubprocessError, AttributeError) as exc:
         logger.warning("native CPU kernel unavailable (%s); torch's linear paths only", exc)
@@ -136,3 +159,184 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor,
                               rows, weight.shape[0], features, x.stride(0),
                               torch.get_num_threads())
     return out
+
+
+# ---- the small operations of a step (native/step_ops.c) ---------------------------------
+#
+# Each wrapper takes exactly the reference's arguments and returns what it returns; inputs
+# the C code does not take (another dtype or device, a layout it cannot stride through)
+# go to the reference itself.
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _native_dtype(*tensors: torch.Tensor) -> bool:
+    """All on the CPU, in one dtype the kernels take. (A loop, not `all()` over a
+    generator: this runs a hundred times a step.)"""
+    dtype = tensors[0].dtype
+    if dtype not in DTYPES:
+        return False
+    for t in tensors:
+        if t.dtype != dtype or not t.is_cpu:
+            return False
+    return True
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    from kernels import norms
+
+    if not (_native_dtype(x, weight) and x.dim() in (2, 3) and x.stride(-1) == 1
+            and weight.is_contiguous()):
+        return norms.rms_norm(x, weight, eps)
+    out = torch.empty(x.shape, dtype=x.dtype)
+    rows, inner = (x.shape[0], 1) if x.dim() == 2 else (x.shape[0], x.shape[1])
+    inner_stride = 0 if x.dim() == 2 else x.stride(1)
+    _library().ops["rms_norm"][x.dtype](x.data_ptr(), rows, inner, x.shape[-1], x.stride(0),
+                                        inner_stride, weight.data_ptr(), eps, out.data_ptr(),
+                                        torch.get_num_threads())
+    return out
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    from kernels import norms
+
+    if not (_native_dtype(x, residual, weight) and x.dim() == 2 and x.shape == residual.shape
+            and x.is_contiguous() and residual.is_contiguous() and weight.is_contiguous()):
+        return norms.fused_add_rms_norm(x, residual, weight, eps)
+    out = torch.empty_like(x)
+    summed = torch.empty_like(x)
+    _library().ops["add_rms_norm"][x.dtype](x.data_ptr(), residual.data_ptr(), x.shape[0],
+                                            x.shape[1], weight.data_ptr(), eps,
+                                            out.data_ptr(), summed.data_ptr(),
+                                            torch.get_num_threads())
+    return out, summed
+
+
+def _rotatable(x: torch.Tensor, cos: torch.Tensor) -> bool:
+    return x.dim() == 3 and x.stride(2) == 1 and x.shape[2] == 2 * cos.shape[1]
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from kernels import rotary
+
+    if not (_native_dtype(q, k, cos, sin) and _rotatable(q, cos) and _rotatable(k, cos)
+            and cos.stride(1) == 1 and sin.stride(1) == 1 and cos.stride(0) == sin.stride(0)
+            and q.shape[0] == k.shape[0] == cos.shape[0]):
+        return rotary.apply_rotary(q, k, cos, sin)
+    fn = _library().ops["rotary"][q.dtype]
+    outs = []
+    for x in (q, k):
+        out = torch.empty(x.shape, dtype=x.dtype)
+        fn(x.data_ptr(), x.shape[0], x.shape[1], x.shape[2], x.stride(0), x.stride(1),
+           cos.data_ptr(), sin.data_ptr(), cos.stride(0), out.data_ptr(),
+           torch.get_num_threads())
+        outs.append(out)
+    return outs[0], outs[1]
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    from kernels import activation
+
+    if not (_native_dtype(x) and x.dim() == 2 and x.is_contiguous() and x.shape[1] % 2 == 0):
+        return activation.silu_and_mul(x)
+    out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype)
+    _library().ops["silu_and_mul"][x.dtype](x.data_ptr(), x.shape[0], x.shape[1] // 2,
+                                            out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def _token_rows(x: torch.Tensor) -> bool:
+    """[n, heads, D] whose heads of a token are contiguous (tokens may be strided)"""
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
+def store_kv(k, v, k_cache, v_cache, slot_blocks, slot_offsets) -> None:
+    from kernels import attention
+
+    if not (_native_dtype(k, v, k_cache, v_cache) and _token_rows(k) and _token_rows(v)
+            and k.shape == v.shape and k_cache.stride() == v_cache.stride()
+            and k_cache.dim() == 4 and k_cache.shape[2:] == k.shape[1:]
+            and k_cache.stride(3) == 1 and k_cache.stride(2) == k_cache.shape[3]
+            and k_cache.stride(1) == k_cache.shape[2] * k_cache.shape[3]
+            and slot_blocks.dtype == slot_offsets.dtype == torch.int64
+            and slot_blocks.is_contiguous() and slot_offsets.is_contiguous()
+            and slot_blocks.numel() == slot_offsets.numel() == k.shape[0]):
+        attention.store_kv(k, v, k_cache, v_cache, slot_blocks, slot_offsets)
+        return
+    _library().ops["store_kv"][k.dtype](
+        k.data_ptr(), v.data_ptr(), k.shape[0], k.shape[1] * k.shape[2], k.stride(0),
+        v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
+        k_cache.stride(1), slot_blocks.data_ptr(), slot_offsets.data_ptr())
+
+
+def _decode(q, k_cache, v_cache, decodes) -> torch.Tensor:
+    """Native form of `kernels.attention._decode`: every decode's heads in one call, each
+    reading its keys and values straight from the cache blocks (no gather, no padding)."""
+    from kernels import attention
+
+    if not (_native_dtype(q, k_cache, v_cache) and q.dim() == 3
+            and k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
+            and k_cache.stride(2) == k_cache.shape[3] and decodes.all_tables is not None
+            and q.shape[1] % k_cache.shape[2] == 0):
+        return attention._decode(q, k_cache, v_cache, decodes)
+    cache = decodes.backend_cache
+    if cache is None or "native" not in cache:
+        starts = [0]
+        for table in decodes.block_tables[:-1]:
+            starts.append(starts[-1] + table.numel())
+        cache = decodes.backend_cache = decodes.backend_cache or {}
+        cache["native"] = (torch.tensor(starts, dtype=torch.int64),
+                           torch.tensor(decodes.context_lens, dtype=torch.int64))
+    starts, lens = cache["native"]
+    q = q.contiguous()
+    num_decodes, num_heads, head_dim = q.shape
+    out = torch.empty_like(q)
+    failed = _library().ops["decode_attention"][q.dtype](
+        q.data_ptr(), num_decodes, num_heads, k_cache.shape[2], head_dim, k_cache.data_ptr(),
+        v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_cache.shape[1], decodes.all_tables.data_ptr(), starts.data_ptr(), lens.data_ptr(),
+        head_dim ** -0.5, out.data_ptr(), torch.get_num_threads())
+    if failed:
+        raise MemoryError("decode attention could not allocate its scratch buffers")
+    return out
+
+
+def paged_attention(q, k, v, k_cache, v_cache, meta) -> torch.Tensor:
+    from kernels import attention
+
+    return attention.paged_attention(q, k, v, k_cache, v_cache, meta, decode=_decode)
+
+
+# the kernels `register` puts in `kernels.dispatch` for the CPU
+STEP_KERNELS = {
+    "rms_norm": rms_norm,
+    "fused_add_rms_norm": fused_add_rms_norm,
+    "apply_rotary": apply_rotary,
+    "silu_and_mul": silu_and_mul,
+    "store_kv": store_kv,
+    "paged_attention": paged_attention,
+}
+
+
+def register() -> bool:
+    """Use the native step kernels on the CPU (kernels.dispatch); False when the library
+    is unavailable (the references stay)."""
+    from kernels import dispatch
+
+    if not available():
+        return False
+    for name, fn in STEP_KERNELS.items():
+        dispatch.register(name, "cpu", fn)
+    return True
+
+
+def unregister() -> None:
+    """Back to the pure-torch references on the CPU."""
+    from kernels import dispatch
+
+    for name in STEP_KERNELS:
+        dispatch.unregister(name, "cpu")

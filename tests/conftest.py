@@ -2,6 +2,8 @@
 
 import os
 
+import pytest
+
 # NOTE: the suite compares batched, served and offline outputs with solo and Hugging Face
 # ones token for token, which only fp32 guarantees (bf16 rounds differently per batch
 # shape). dtype="auto" would pick bf16 on a CPU with native bf16, so pin its meaning here,
@@ -13,3 +15,18 @@ os.environ["LLMQ_DTYPE"] = "float32"
 os.environ["LLMQ_LINEAR_PATH"] = "prepacked"
 
 pytest_plugins = ["tests.fixtures_models", "tests.fixtures_services"]
+
+
+@pytest.fixture(autouse=True)
+def _kernel_choices_restored():
+    """A ModelRunner puts the native step kernels in `kernels.dispatch` for the whole
+    process (LLMQ_CPU_KERNELS); give every test the kernel choices it started with, so a
+    test of the pure-torch references never runs another test's choice."""
+    from kernels import dispatch
+
+    overrides, chosen = dict(dispatch._overrides), dict(dispatch._chosen)
+    yield
+    dispatch._overrides.clear()
+    dispatch._overrides.update(overrides)
+    dispatch._chosen.clear()
+    dispatch._chosen.update(chosen)

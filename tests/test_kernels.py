@@ -15,6 +15,16 @@ from kernels.attention import build_attention_metadata
 from kernels.rotary import rope_cos_sin_cache, rope_inv_freq
 
 
+@pytest.fixture(autouse=True)
+def _references():
+    """These tests are of the pure-torch references: a runner built by an earlier test's
+    module fixture may have put the native step kernels in `dispatch` for the CPU (tests
+    of those are in test_native_kernel.py); conftest restores the choice afterwards."""
+    from kernels import native
+
+    native.unregister()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_equals_hf(dtype):
     from transformers.models.llama.modeling_llama import LlamaRMSNorm

@@ -97,15 +97,20 @@ def test_the_plan_follows_the_timing(times, plan):
     assert dense.choose_plan(times) == plan
 
 
-def _greedy_tokens(model_dir: str, dtype: str, monkeypatch, path: str) -> list[list[int]]:
+def _greedy_tokens(model_dir: str, dtype: str, monkeypatch, path: str,
+                   step_kernels: str) -> list[list[int]]:
+    from kernels import dispatch
     from tasks.params import SamplingParams
     from workers.engine.llm import LLM
 
     monkeypatch.setenv("LLMQ_LINEAR_PATH", path)
+    monkeypatch.setenv("LLMQ_CPU_KERNELS", step_kernels)
     prompts = [[5, 9, 13, 2 + i, 7] * (1 + i) for i in range(6)]  # decode batches of 1-6
     with LLM(model_dir, dtype=dtype, kv_cache_bytes=4 << 20) as llm:
         runner = llm.engine.runner
-        assert runner.linear_path == path
+        assert runner.linear_path == path and runner.step_kernels == step_kernels
+        native_ops = dispatch.get("rms_norm", "cpu") is native.rms_norm
+        assert native_ops == (step_kernels == "native")
         outputs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=4 + 3 * i,
                                                         ignore_eos=True)
                                          for i in range(len(prompts))])
@@ -113,13 +118,15 @@ def _greedy_tokens(model_dir: str, dtype: str, monkeypatch, path: str) -> list[l
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_engine_on_the_native_path_gives_the_reference_paths_tokens(
+def test_the_engine_on_the_native_kernels_gives_the_reference_tokens(
         tiny_qwen3_tied_dir, dtype, monkeypatch):
-    """Greedy tokens of a batch whose decodes shrink from 6 rows to 1 (native up to 4,
-    prepacked above) equal torch's `linear` throughout, in fp32 and in bf16."""
-    native_tokens = _greedy_tokens(tiny_qwen3_tied_dir, dtype, monkeypatch, "native")
+    """Greedy tokens of a batch whose decodes shrink from 6 rows to 1 (native projections
+    up to 4, prepacked above; native norms, rotary, activation, KV store and decode
+    attention) equal the pure-torch reference throughout, in fp32 and in bf16."""
+    native_tokens = _greedy_tokens(tiny_qwen3_tied_dir, dtype, monkeypatch, "native",
+                                   "native")
     assert native_tokens == _greedy_tokens(tiny_qwen3_tied_dir, dtype, monkeypatch,
-                                           "reference")
+                                           "reference", "reference")
 
 
 def test_the_runner_times_three_paths_and_applies_the_plan(tiny_qwen3_tied_dir, monkeypatch):
@@ -194,3 +201,112 @@ print(json.dumps([native.available(), str(native._library().path)]))
     assert json.loads(again.stdout.strip().splitlines()[-1]) == [True, path]
     assert os.stat(path).st_mtime_ns == built
     assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(path)]  # no leftovers
+
+
+def _step_op_cases(dtype):
+    gen = torch.Generator().manual_seed(3)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+    qkv = rand(5, 12 * 64 + 2 * 4 * 64, scale=3)
+    q = qkv[:, :768].view(5, 12, 64)  # token rows strided by the qkv width
+    k = qkv[:, 768:1024].view(5, 4, 64)
+    cos_sin = rand(5, 64)
+    return rand, qkv, q, k, cos_sin
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_step_ops_equal_the_references(dtype):
+    """bf16: bit for bit (the same roundings at the same points); fp32: within a few ulp
+    (sums in another order, another exp)."""
+    from kernels import activation, norms, rotary
+
+    rand, qkv, q, k, cos_sin = _step_op_cases(dtype)
+    x, residual, weight = rand(5, 768), rand(5, 768), rand(768)
+    cos, sin = cos_sin.chunk(2, dim=-1)  # views with a row stride of 64
+    gate_up = rand(5, 2 * 1000, scale=6)
+    gate_up[0, :6] = torch.tensor([100.0, -100.0, 90.0, -90.0, 0.0, float("nan")])
+    pairs = [
+        (native.rms_norm(x, weight, 1e-6), norms.rms_norm(x, weight, 1e-6)),
+        (native.rms_norm(q, weight[:64], 1e-6), norms.rms_norm(q, weight[:64], 1e-6)),
+        *zip(native.fused_add_rms_norm(x, residual, weight, 1e-5),
+             norms.fused_add_rms_norm(x, residual, weight, 1e-5)),
+        *zip(native.apply_rotary(q, k, cos, sin), rotary.apply_rotary(q, k, cos, sin)),
+        (native.silu_and_mul(gate_up), activation.silu_and_mul(gate_up)),
+    ]
+    for got, want in pairs:
+        assert got.shape == want.shape and got.dtype == want.dtype and got.is_contiguous()
+        if dtype == torch.bfloat16:
+            assert torch.equal(got.nan_to_num(), want.nan_to_num())
+        else:
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_and_the_kv_store_equal_the_references(dtype):
+    """A mixed step: a fresh prompt, a chunk after a cached prefix and decodes of several
+    lengths (one of a single key); keys stored through the native store, read straight
+    from the cache blocks by the native decode."""
+    import random
+
+    from kernels import attention
+    from kernels.attention import build_attention_metadata
+
+    gen = torch.Generator().manual_seed(11)
+    block_size, num_layers, layer = 4, 3, 1
+    kv_cache = torch.randn(64, 2, num_layers, block_size, 2, 16, generator=gen).to(dtype)
+    reference_cache = kv_cache.clone()
+    free = list(range(64))
+    random.Random(11).shuffle(free)
+    # (tokens already cached, new tokens): a fresh prompt, a chunk, then decodes
+    shapes = [(0, 6), (9, 3), (29, 1), (0, 1), (12, 1), (70 - 1, 1)]
+    spans = [(start, n, [free.pop() for _ in range(-(-(start + n) // block_size))])
+             for start, n in shapes]
+    num_tokens = sum(n for _, n in shapes)
+    q = torch.randn(num_tokens, 8, 16, generator=gen).to(dtype)
+    kv = torch.randn(num_tokens, 2 * 2 * 16 + 5, generator=gen).to(dtype)
+    k = kv[:, :32].view(num_tokens, 2, 16)  # token rows strided by 37
+    v = kv[:, 32:64].view(num_tokens, 2, 16)
+    outs = []
+    for cache, store, attend in ((kv_cache, native.store_kv, native.paged_attention),
+                                 (reference_cache, attention.store_kv,
+                                  attention.paged_attention)):
+        meta = build_attention_metadata(cache, spans)
+        k_cache, v_cache = cache[:, 0, layer], cache[:, 1, layer]
+        store(k, v, k_cache, v_cache, meta.slot_blocks, meta.slot_offsets)
+        outs.append(attend(q, k, v, k_cache, v_cache, meta))
+    assert torch.equal(kv_cache, reference_cache)  # the same slots written, nothing else
+    got, want = outs
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, want)
+    else:
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_inputs_the_step_ops_do_not_take_go_to_the_references():
+    """fp16 (no native form) and mixed dtypes give the reference's results."""
+    from kernels import activation, norms
+
+    x = torch.randn(3, 64).half()
+    assert torch.equal(native.rms_norm(x, torch.ones(64).half(), 1e-6),
+                       norms.rms_norm(x, torch.ones(64).half(), 1e-6))
+    assert torch.equal(native.rms_norm(x.float(), torch.ones(64).bfloat16(), 1e-6),
+                       norms.rms_norm(x.float(), torch.ones(64).bfloat16(), 1e-6))
+    assert torch.equal(native.silu_and_mul(x), activation.silu_and_mul(x))
+
+
+def test_the_step_kernels_setting_picks_native_or_reference(tiny_qwen3_tied_dir, monkeypatch):
+    from kernels import dispatch, norms
+    from workers.engine.loader import load_checkpoint
+    from workers.engine.model_runner import ModelRunner
+
+    for value, fn in (("reference", norms.rms_norm), ("native", native.rms_norm)):
+        monkeypatch.setenv("LLMQ_CPU_KERNELS", value)
+        runner = ModelRunner(load_checkpoint(tiny_qwen3_tied_dir, dtype="float32"),
+                             kv_cache_bytes=1 << 20, linear_path="reference")
+        assert runner.step_kernels == value and dispatch.get("rms_norm", "cpu") is fn
+    monkeypatch.setenv("LLMQ_CPU_KERNELS", "fastest")
+    with pytest.raises(ValueError, match="LLMQ_CPU_KERNELS='fastest'"):
+        ModelRunner(load_checkpoint(tiny_qwen3_tied_dir, dtype="float32"),
+                    kv_cache_bytes=1 << 20, linear_path="reference")

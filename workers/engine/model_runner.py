@@ -93,6 +93,12 @@ class ModelRunner:
             self._apply_linear_plan(plan)
         from kernels import dispatch
 
+        self.step_kernels = "reference"
+        if self.device.type == "cpu":
+            if step_kernels_setting() == "native" and native.register():
+                self.step_kernels = "native"
+            else:
+                native.unregister()
         dispatch.log_choices(self.device.type)
         logger.info("KV cache: %d blocks of %d tokens (%d bytes each) on %s", num_blocks,
                     block_size, self._bytes_per_block, self.device)
@@ -287,6 +293,19 @@ def check_linear_path(value: str, name: str = "linear_path") -> str:
     if path not in LINEAR_PATHS:
         raise ValueError(f"{name}={value!r}: expected one of {', '.join(LINEAR_PATHS)}")
     return path
+
+
+STEP_KERNELS_ENV = "LLMQ_CPU_KERNELS"
+
+
+def step_kernels_setting() -> str:
+    """`LLMQ_CPU_KERNELS`: `native` (default) runs a step's small operations on the CPU
+    with the native kernels (kernels/native.py) where they build; `reference` keeps the
+    pure-torch ones. The choice is the process's (kernels.dispatch)."""
+    value = os.environ.get(STEP_KERNELS_ENV, "native").strip().lower()
+    if value not in ("native", "reference"):
+        raise ValueError(f"{STEP_KERNELS_ENV}={value!r}: expected native or reference")
+    return value
 
 
 def fixed_plan(path: str) -> dense.LinearPlan:

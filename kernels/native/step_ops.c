@@ -1,0 +1,296 @@
+/* The small operations of a model step, one call each instead of several torch ops:
+ * RMSNorm (with the residual add), rotary embedding, the gated activation, the KV store
+ * and paged decode attention.
+ *
+ * At a decode step of few sequences each of these works on a few kilobytes, so a chain of
+ * torch ops costs its dispatch, allocations and conversions more than its arithmetic.
+ * Each function here does the arithmetic of the pure-torch reference (kernels/norms.py,
+ * rotary.py, activation.py, attention.py) in the same order, with bf16 results rounded
+ * to nearest even at the points where the reference's bf16 ops round; sums are fp32.
+ *
+ * Built with kernels/native/skinny.c into one library (kernels/native.py), with
+ * -ffp-contract=off so that `a * b - c * d` is not fused into one rounding. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* e^x for 16 floats: x = n ln2 + r, |r| <= ln2 / 2, e^r by a degree-6 polynomial
+ * (Cephes' expf coefficients), scaled by 2^n; within 2 ulp of expf over the range the
+ * activations reach, inf above 88.7, 0 below -103 */
+static inline __m512 exp512(__m512 x) {
+    const __m512 hi = _mm512_set1_ps(88.7228f), lo = _mm512_set1_ps(-103.9721f);
+    __m512 xc = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    /* 2^n by scalef: exact, and it saturates to inf / 0 past the exponent's range */
+    __m512 y = _mm512_scalef_ps(p, n);
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ), y,
+                                _mm512_set1_ps(INFINITY));
+}
+
+static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16_bf16(const uint16_t *p) {
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+/* round to bf16 (nearest even; NaN stays NaN) and back, as a bf16 op's result */
+static inline __m512 round16_bf16(__m512 v) {
+    __m512i bits = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    rounded = _mm512_and_si512(rounded, _mm512_set1_epi32((int)0xffff0000u));
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    return _mm512_mask_blend_ps(nan, _mm512_castsi512_ps(rounded), v);
+}
+static inline __m512 round16_f32(__m512 v) { return v; }
+static inline void store16_f32(float *p, __m512 v) { _mm512_storeu_ps(p, v); }
+static inline void store16_bf16(uint16_t *p, __m512 v) {
+    __m512i bits = _mm512_castps_si512(round16_bf16(v));
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+}
+#endif
+
+static inline float ops_bf16_to_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t ops_float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* what a value becomes when a bf16 op stores it */
+static inline float round_bf16(float f) { return ops_bf16_to_float(ops_float_to_bf16(f)); }
+
+#define LOAD_F32(p, i) ((p)[i])
+#define STORE_F32(p, i, v) ((p)[i] = (v))
+#define ROUND_F32(v) (v)
+#define LOAD_BF16(p, i) ops_bf16_to_float((p)[i])
+#define STORE_BF16(p, i, v) ((p)[i] = ops_float_to_bf16(v))
+#define ROUND_BF16(v) round_bf16(v)
+
+/* below this many elements an operation runs on one thread: a parallel region costs more */
+#define PARALLEL_ELEMENTS (1 << 15)
+
+/* sum of x[i] * y[i], in 16 lanes the compiler vectorises (then summed pairwise) */
+#define LANES 16
+#define DOT(name, T, LOAD)                                                                \
+    static inline float name(const float *x, const T *y, int64_t n) {                    \
+        float lanes[LANES] = {0};                                                         \
+        int64_t i = 0;                                                                    \
+        for (; i + LANES <= n; i += LANES)                                                \
+            for (int j = 0; j < LANES; ++j) lanes[j] += x[i + j] * LOAD(y, i + j);        \
+        float sum = 0.f;                                                                  \
+        for (int j = 0; j < LANES; ++j) sum += lanes[j];                                  \
+        for (; i < n; ++i) sum += x[i] * LOAD(y, i);                                      \
+        return sum;                                                                       \
+    }
+
+/* the vector body of silu_and_mul: 16 at a time, the same roundings as the scalar tail */
+#if defined(__AVX512F__)
+#define SILU_VECTOR(S)                                                                    \
+    for (; k + 16 <= d; k += 16) {                                                        \
+        __m512 g = load16_##S(gate + k);                                                  \
+        __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));                         \
+        __m512 s = round16_##S(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)));  \
+        store16_##S(o + k, _mm512_mul_ps(s, load16_##S(up + k)));                         \
+    }
+#else
+#define SILU_VECTOR(S)
+#endif
+
+#define STEP_OPS(S, T, LOAD, STORE, ROUND, FP32)                                          \
+    DOT(dot_##S, T, LOAD)                                                                 \
+                                                                                          \
+    static inline float sum_squares_##S(const T *x, int64_t n) {                          \
+        float lanes[LANES] = {0};                                                         \
+        int64_t i = 0;                                                                    \
+        for (; i + LANES <= n; i += LANES)                                                \
+            for (int j = 0; j < LANES; ++j) {                                             \
+                float v = LOAD(x, i + j);                                                 \
+                lanes[j] += v * v;                                                        \
+            }                                                                             \
+        float sum = 0.f;                                                                  \
+        for (int j = 0; j < LANES; ++j) sum += lanes[j];                                  \
+        for (; i < n; ++i) sum += LOAD(x, i) * LOAD(x, i);                                \
+        return sum;                                                                       \
+    }                                                                                     \
+                                                                                          \
+    /* one row: fp32 `x * rsqrt(mean(x^2) + eps) * w`; bf16 rounds the normalised     */  \
+    /* value, then multiplies by the weight (the HF order)                             */  \
+    static inline void norm_row_##S(const T *x, const T *w, float eps, int64_t d,         \
+                                    T *out) {                                             \
+        float r = 1.f / sqrtf(sum_squares_##S(x, d) / (float)d + eps);                    \
+        for (int64_t i = 0; i < d; ++i) {                                                 \
+            float v = FP32 ? LOAD(x, i) * r * LOAD(w, i)                                  \
+                           : ROUND(LOAD(x, i) * r) * LOAD(w, i);                          \
+            STORE(out, i, v);                                                             \
+        }                                                                                 \
+    }                                                                                     \
+                                                                                          \
+    /* x [a, b, d] with strides (sa, sb, 1) -> out [a, b, d] contiguous */                \
+    void llmq_rms_norm_##S(const T *x, int64_t a, int64_t b, int64_t d, int64_t sa,       \
+                           int64_t sb, const T *w, float eps, T *out, int threads) {      \
+        if (a * b * d < PARALLEL_ELEMENTS) threads = 1;                                   \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                 \
+        for (int64_t i = 0; i < a; ++i)                                                   \
+            for (int64_t j = 0; j < b; ++j)                                               \
+                norm_row_##S(x + i * sa + j * sb, w, eps, d, out + (i * b + j) * d);      \
+    }                                                                                     \
+                                                                                          \
+    /* residual_out = x + residual (rounded as the dtype's add); out = its norm */         \
+    void llmq_add_rms_norm_##S(const T *x, const T *residual, int64_t n, int64_t d,       \
+                               const T *w, float eps, T *out, T *residual_out,            \
+                               int threads) {                                             \
+        if (n * d < PARALLEL_ELEMENTS) threads = 1;                                       \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                 \
+        for (int64_t i = 0; i < n; ++i) {                                                 \
+            T *sum = residual_out + i * d;                                                \
+            for (int64_t k = 0; k < d; ++k)                                               \
+                STORE(sum, k, LOAD(x, i * d + k) + LOAD(residual, i * d + k));            \
+            norm_row_##S(sum, w, eps, d, out + i * d);                                    \
+        }                                                                                 \
+    }                                                                                     \
+                                                                                          \
+    /* x [n, h, D] strides (sn, sh, 1); cos, sin [n, D/2] rows sc apart; out          */ \
+    /* contiguous: [x1 * c - x2 * s, x2 * c + x1 * s], each product rounded as its own */ \
+    /* op                                                                              */ \
+    void llmq_rotary_##S(const T *x, int64_t n, int64_t h, int64_t D, int64_t sn,         \
+                         int64_t sh, const T *cos, const T *sin, int64_t sc, T *out,      \
+                         int threads) {                                                   \
+        int64_t half = D / 2;                                                             \
+        if (n * h * D < PARALLEL_ELEMENTS) threads = 1;                                   \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                 \
+        for (int64_t i = 0; i < n; ++i)                                                   \
+            for (int64_t j = 0; j < h; ++j) {                                             \
+                const T *row = x + i * sn + j * sh;                                       \
+                T *o = out + (i * h + j) * D;                                             \
+                for (int64_t k = 0; k < half; ++k) {                                      \
+                    float x1 = LOAD(row, k), x2 = LOAD(row, k + half);                    \
+                    float c = LOAD(cos, i * sc + k), s = LOAD(sin, i * sc + k);           \
+                    STORE(o, k, ROUND(x1 * c) - ROUND(x2 * s));                           \
+                    STORE(o, k + half, ROUND(x2 * c) + ROUND(x1 * s));                    \
+                }                                                                         \
+            }                                                                             \
+    }                                                                                     \
+                                                                                          \
+    /* x [n, 2d] = [gate, up] -> out [n, d] = silu(gate) * up, rows over threads */      \
+    void llmq_silu_and_mul_##S(const T *x, int64_t n, int64_t d, T *out, int threads) {   \
+        if (n * d < PARALLEL_ELEMENTS) threads = 1;                                       \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                 \
+        for (int64_t i = 0; i < n; ++i) {                                                 \
+            const T *gate = x + i * 2 * d, *up = gate + d;                                \
+            T *o = out + i * d;                                                           \
+            int64_t k = 0;                                                                \
+            SILU_VECTOR(S)                                                                \
+            for (; k < d; ++k) {                                                          \
+                float g = LOAD(gate, k);                                                  \
+                float s = ROUND(g / (1.f + expf(-g)));                                    \
+                STORE(o, k, s * LOAD(up, k));                                             \
+            }                                                                             \
+        }                                                                                 \
+    }                                                                                     \
+                                                                                          \
+    /* k, v [n, kvh, D] with token strides sk, sv (heads contiguous) into their slots  */ \
+    /* of one layer's caches (strides: block cb, token ct; heads contiguous)           */ \
+    void llmq_store_kv_##S(const T *k, const T *v, int64_t n, int64_t row, int64_t sk,    \
+                           int64_t sv, T *k_cache, T *v_cache, int64_t cb, int64_t ct,    \
+                           const int64_t *blocks, const int64_t *offsets) {               \
+        for (int64_t i = 0; i < n; ++i) {                                                 \
+            int64_t slot = blocks[i] * cb + offsets[i] * ct;                              \
+            memcpy(k_cache + slot, k + i * sk, row * sizeof(T));                          \
+            memcpy(v_cache + slot, v + i * sv, row * sizeof(T));                          \
+        }                                                                                 \
+    }                                                                                     \
+                                                                                          \
+    /* One new token per sequence attends over its cached context.                     */ \
+    /* q [nd, H, D] contiguous; caches: block stride cb, token stride ct, head stride  */ \
+    /* ch; tables: sequence i's blocks at tables[starts[i]...]; lens[i] keys; out      */ \
+    /* [nd, H, D]. As the reference: q * scale rounded, scores rounded, softmax in     */ \
+    /* fp32 rounded, then fp32 sums of p * v, rounded once.                            */ \
+    int llmq_decode_attention_##S(const T *q, int64_t nd, int64_t H, int64_t KVH,         \
+                                  int64_t D, const T *k_cache, const T *v_cache,          \
+                                  int64_t cb, int64_t ct, int64_t ch, int64_t block_size, \
+                                  const int64_t *tables, const int64_t *starts,           \
+                                  const int64_t *lens, float scale, T *out,               \
+                                  int threads) {                                          \
+        int64_t G = H / KVH, max_len = 0;                                                 \
+        for (int64_t i = 0; i < nd; ++i) max_len = lens[i] > max_len ? lens[i] : max_len; \
+        int failed = 0;                                                                   \
+        int64_t work = nd * KVH;                                                          \
+        if (work < threads) threads = (int)(work > 0 ? work : 1);                         \
+        _Pragma("omp parallel num_threads(threads)")                                      \
+        {                                                                                 \
+            float *qs = malloc(sizeof(float) * G * D);                                    \
+            float *acc = malloc(sizeof(float) * G * D);                                   \
+            float *p = malloc(sizeof(float) * G * (max_len > 0 ? max_len : 1));           \
+            if (!qs || !acc || !p) {                                                      \
+                _Pragma("omp atomic write") failed = 1;                                   \
+            } else {                                                                      \
+                _Pragma("omp for schedule(static)")                                       \
+                for (int64_t item = 0; item < work; ++item) {                             \
+                    int64_t i = item / KVH, hk = item % KVH, L = lens[i];                 \
+                    const int64_t *table = tables + starts[i];                            \
+                    for (int64_t g = 0; g < G; ++g)                                       \
+                        for (int64_t d = 0; d < D; ++d)                                   \
+                            qs[g * D + d] =                                               \
+                                ROUND(LOAD(q, (i * H + hk * G + g) * D + d) * scale);     \
+                    for (int64_t t = 0; t < L; ++t) {                                     \
+                        const T *key = k_cache + table[t / block_size] * cb +             \
+                                       (t % block_size) * ct + hk * ch;                   \
+                        for (int64_t g = 0; g < G; ++g)                                   \
+                            p[g * L + t] = ROUND(dot_##S(qs + g * D, key, D));            \
+                    }                                                                     \
+                    for (int64_t g = 0; g < G; ++g) {                                     \
+                        float *s = p + g * L, top = -INFINITY, total = 0.f;               \
+                        for (int64_t t = 0; t < L; ++t) top = s[t] > top ? s[t] : top;    \
+                        for (int64_t t = 0; t < L; ++t) {                                 \
+                            s[t] = expf(s[t] - top);                                      \
+                            total += s[t];                                                \
+                        }                                                                 \
+                        for (int64_t t = 0; t < L; ++t) s[t] = ROUND(s[t] / total);       \
+                    }                                                                     \
+                    memset(acc, 0, sizeof(float) * G * D);                                \
+                    for (int64_t t = 0; t < L; ++t) {                                     \
+                        const T *value = v_cache + table[t / block_size] * cb +           \
+                                         (t % block_size) * ct + hk * ch;                 \
+                        for (int64_t g = 0; g < G; ++g) {                                 \
+                            float pt = p[g * L + t];                                      \
+                            float *a = acc + g * D;                                       \
+                            for (int64_t d = 0; d < D; ++d) a[d] += pt * LOAD(value, d);  \
+                        }                                                                 \
+                    }                                                                     \
+                    for (int64_t g = 0; g < G; ++g)                                       \
+                        for (int64_t d = 0; d < D; ++d)                                   \
+                            STORE(out, (i * H + hk * G + g) * D + d, acc[g * D + d]);     \
+                }                                                                         \
+            }                                                                             \
+            free(qs);                                                                     \
+            free(acc);                                                                    \
+            free(p);                                                                      \
+        }                                                                                 \
+        return failed ? -1 : 0;                                                           \
+    }
+
+STEP_OPS(f32, float, LOAD_F32, STORE_F32, ROUND_F32, 1)
+STEP_OPS(bf16, uint16_t, LOAD_BF16, STORE_BF16, ROUND_BF16, 0)
