@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name("native") / name
                 for name in ("skinny.c", "step_ops.c"))
+HEADERS = (Path(__file__).with_name("native") / "bf16.h",)
 CACHE_ENV = "LLMQ_KERNEL_CACHE"
 # -ffp-contract=off: `a * b - c * d` stays two roundings, as torch's elementwise ops
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off")
@@ -103,7 +104,7 @@ class _Library:
 
 @functools.cache
 def _library() -> _Library | None:
-    source = b"".join(path.read_bytes() for path in SOURCES)
+    source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
     key = hashlib.sha256(source + " ".join(CFLAGS).encode()
                          + cpu_description_key().encode()).hexdigest()[:16]
     target = cache_dir() / f"llmq-cpu-{key}.so"

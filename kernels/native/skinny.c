@@ -14,6 +14,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -24,22 +26,6 @@
  * with a constant count the accumulators stay in registers; indexed by a runtime count
  * they would live on the stack and every multiply-add would wait for a store. */
 #define ALWAYS_INLINE inline __attribute__((always_inline))
-
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) /* NaN stays a quiet NaN */
-        return (uint16_t)((bits >> 16) | 0x40);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
 
 /* Each block function dots ONE weight row with `mr` rows of x. Rows are taken one after
  * another, so a thread reads its share of the weight as one sequential stream: the

@@ -16,6 +16,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -64,29 +66,11 @@ static inline void store16_bf16(uint16_t *p, __m512 v) {
 }
 #endif
 
-static inline float ops_bf16_to_float(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t ops_float_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
-/* what a value becomes when a bf16 op stores it */
-static inline float round_bf16(float f) { return ops_bf16_to_float(ops_float_to_bf16(f)); }
-
 #define LOAD_F32(p, i) ((p)[i])
 #define STORE_F32(p, i, v) ((p)[i] = (v))
 #define ROUND_F32(v) (v)
-#define LOAD_BF16(p, i) ops_bf16_to_float((p)[i])
-#define STORE_BF16(p, i, v) ((p)[i] = ops_float_to_bf16(v))
+#define LOAD_BF16(p, i) bf16_to_float((p)[i])
+#define STORE_BF16(p, i, v) ((p)[i] = float_to_bf16(v))
 #define ROUND_BF16(v) round_bf16(v)
 
 /* below this many elements an operation runs on one thread: a parallel region costs more */
