@@ -103,6 +103,86 @@ static inline void store16_bf16(uint16_t *p, __m512 v) {
 #define SILU_VECTOR(S)
 #endif
 
+/* a query head . a key: 16 lanes of fp32 multiply-adds, then one reduction; the lane
+ * loop of `dot_*` where the head size is not a multiple of 16 or there is no AVX-512 */
+#if defined(__AVX512F__)
+static inline float head_dot_f32(const float *q, const float *k, int64_t D) {
+    __m512 a = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16_f32(k + d), a);
+    return _mm512_reduce_add_ps(a);
+}
+static inline float head_dot_bf16(const float *q, const uint16_t *k, int64_t D) {
+    __m512 a = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16_bf16(k + d), a);
+    return _mm512_reduce_add_ps(a);
+}
+#define HEAD_DOT(S, q, k, D) ((D) % 16 == 0 ? head_dot_##S(q, k, D) : dot_##S(q, k, D))
+
+/* softmax of one row of scores in place, then rounded as the dtype's softmax rounds */
+#define SOFTMAX(S, ROUND16)                                                               \
+    static inline void softmax_##S(float *s, int64_t L) {                                 \
+        __m512 top = _mm512_set1_ps(-INFINITY), total = _mm512_setzero_ps();              \
+        for (int64_t t = 0; t < L; t += 16) {                                             \
+            __mmask16 m = L - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (L - t)) - 1); \
+            top = _mm512_mask_max_ps(top, m, top, _mm512_maskz_loadu_ps(m, s + t));       \
+        }                                                                                 \
+        __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(top));                          \
+        for (int64_t t = 0; t < L; t += 16) {                                             \
+            __mmask16 m = L - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (L - t)) - 1); \
+            __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), peak));      \
+            _mm512_mask_storeu_ps(s + t, m, e);                                           \
+            total = _mm512_mask_add_ps(total, m, total, e);                               \
+        }                                                                                 \
+        __m512 sum = _mm512_set1_ps(_mm512_reduce_add_ps(total));                         \
+        for (int64_t t = 0; t < L; t += 16) {                                             \
+            __mmask16 m = L - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (L - t)) - 1); \
+            __m512 v = ROUND16(_mm512_div_ps(_mm512_maskz_loadu_ps(m, s + t), sum));      \
+            _mm512_mask_storeu_ps(s + t, m, v);                                           \
+        }                                                                                 \
+    }
+SOFTMAX(f32, round16_f32)
+SOFTMAX(bf16, round16_bf16)
+
+/* acc[g] = sum over t of p[g][t] * value[t], 16 features at a time in registers (the
+ * values of a key are read once per query head, from L1); 0 where D is not a multiple
+ * of 16 (the caller's loop then does it) */
+#define VALUES(S, T)                                                                      \
+    static inline int weighted_values_##S(const float *p, int64_t L, int64_t G,           \
+                                          int64_t D, const T *v_cache,                    \
+                                          const int64_t *rows, float *acc) {              \
+        if (D % 16) return 0;                                                             \
+        for (int64_t g = 0; g < G; ++g)                                                   \
+            for (int64_t d = 0; d < D; d += 16) {                                         \
+                __m512 a = _mm512_setzero_ps();                                           \
+                for (int64_t t = 0; t < L; ++t) {                                         \
+                    const T *value = v_cache + rows[t];                                   \
+                    a = _mm512_fmadd_ps(_mm512_set1_ps(p[g * L + t]),                     \
+                                        load16_##S(value + d), a);                        \
+                }                                                                         \
+                _mm512_storeu_ps(acc + g * D + d, a);                                     \
+            }                                                                             \
+        return 1;                                                                         \
+    }
+VALUES(f32, float)
+VALUES(bf16, uint16_t)
+#define WEIGHTED_VALUES(S, ...) weighted_values_##S(__VA_ARGS__)
+#else
+#define WEIGHTED_VALUES(S, ...) 0
+#define HEAD_DOT(S, q, k, D) dot_##S(q, k, D)
+#define SOFTMAX(S, ROUND)                                                                 \
+    static inline void softmax_##S(float *s, int64_t L) {                                 \
+        float top = -INFINITY, total = 0.f;                                               \
+        for (int64_t t = 0; t < L; ++t) top = s[t] > top ? s[t] : top;                    \
+        for (int64_t t = 0; t < L; ++t) {                                                 \
+            s[t] = expf(s[t] - top);                                                      \
+            total += s[t];                                                                \
+        }                                                                                 \
+        for (int64_t t = 0; t < L; ++t) s[t] = ROUND(s[t] / total);                       \
+    }
+SOFTMAX(f32, ROUND_F32)
+SOFTMAX(bf16, ROUND_BF16)
+#endif
+
 #define STEP_OPS(S, T, LOAD, STORE, ROUND, FP32)                                          \
     DOT(dot_##S, T, LOAD)                                                                 \
                                                                                           \
@@ -228,7 +308,8 @@ static inline void store16_bf16(uint16_t *p, __m512 v) {
             float *qs = malloc(sizeof(float) * G * D);                                    \
             float *acc = malloc(sizeof(float) * G * D);                                   \
             float *p = malloc(sizeof(float) * G * (max_len > 0 ? max_len : 1));           \
-            if (!qs || !acc || !p) {                                                      \
+            int64_t *rows = malloc(sizeof(int64_t) * (max_len > 0 ? max_len : 1));        \
+            if (!qs || !acc || !p || !rows) {                                             \
                 _Pragma("omp atomic write") failed = 1;                                   \
             } else {                                                                      \
                 _Pragma("omp for schedule(static)")                                       \
@@ -239,29 +320,26 @@ static inline void store16_bf16(uint16_t *p, __m512 v) {
                         for (int64_t d = 0; d < D; ++d)                                   \
                             qs[g * D + d] =                                               \
                                 ROUND(LOAD(q, (i * H + hk * G + g) * D + d) * scale);     \
+                    /* where each key's (and value's) head lies in the caches */          \
+                    for (int64_t t = 0, b = 0; t < L; ++b)                                \
+                        for (int64_t o = 0; o < block_size && t < L; ++o, ++t)            \
+                            rows[t] = table[b] * cb + o * ct + hk * ch;                   \
                     for (int64_t t = 0; t < L; ++t) {                                     \
-                        const T *key = k_cache + table[t / block_size] * cb +             \
-                                       (t % block_size) * ct + hk * ch;                   \
+                        const T *key = k_cache + rows[t];                                 \
                         for (int64_t g = 0; g < G; ++g)                                   \
-                            p[g * L + t] = ROUND(dot_##S(qs + g * D, key, D));            \
+                            p[g * L + t] = ROUND(HEAD_DOT(S, qs + g * D, key, D));        \
                     }                                                                     \
-                    for (int64_t g = 0; g < G; ++g) {                                     \
-                        float *s = p + g * L, top = -INFINITY, total = 0.f;               \
-                        for (int64_t t = 0; t < L; ++t) top = s[t] > top ? s[t] : top;    \
+                    for (int64_t g = 0; g < G; ++g) softmax_##S(p + g * L, L);            \
+                    if (!WEIGHTED_VALUES(S, p, L, G, D, v_cache, rows, acc)) {            \
+                        memset(acc, 0, sizeof(float) * G * D);                            \
                         for (int64_t t = 0; t < L; ++t) {                                 \
-                            s[t] = expf(s[t] - top);                                      \
-                            total += s[t];                                                \
-                        }                                                                 \
-                        for (int64_t t = 0; t < L; ++t) s[t] = ROUND(s[t] / total);       \
-                    }                                                                     \
-                    memset(acc, 0, sizeof(float) * G * D);                                \
-                    for (int64_t t = 0; t < L; ++t) {                                     \
-                        const T *value = v_cache + table[t / block_size] * cb +           \
-                                         (t % block_size) * ct + hk * ch;                 \
-                        for (int64_t g = 0; g < G; ++g) {                                 \
-                            float pt = p[g * L + t];                                      \
-                            float *a = acc + g * D;                                       \
-                            for (int64_t d = 0; d < D; ++d) a[d] += pt * LOAD(value, d);  \
+                            const T *value = v_cache + rows[t];                           \
+                            for (int64_t g = 0; g < G; ++g) {                             \
+                                float pt = p[g * L + t];                                  \
+                                float *a = acc + g * D;                                   \
+                                for (int64_t d = 0; d < D; ++d)                           \
+                                    a[d] += pt * LOAD(value, d);                          \
+                            }                                                             \
                         }                                                                 \
                     }                                                                     \
                     for (int64_t g = 0; g < G; ++g)                                       \
@@ -272,6 +350,7 @@ static inline void store16_bf16(uint16_t *p, __m512 v) {
             free(qs);                                                                     \
             free(acc);                                                                    \
             free(p);                                                                      \
+            free(rows);                                                                   \
         }                                                                                 \
         return failed ? -1 : 0;                                                           \
     }
