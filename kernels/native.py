@@ -38,7 +38,7 @@ SOURCES = tuple(Path(__file__).with_name("native") / name
 HEADERS = (Path(__file__).with_name("native") / "bf16.h",)
 CACHE_ENV = "LLMQ_KERNEL_CACHE"
 # -ffp-contract=off: `a * b - c * d` stays two roundings, as torch's elementwise ops
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off")
+CFLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off")
 DTYPES = (torch.float32, torch.bfloat16)
 # seconds a build may take before it is given up (it takes about half a second)
 BUILD_TIMEOUT = 120
@@ -51,7 +51,7 @@ def cache_dir() -> Path:
     return Path.home() / ".cache" / "llmq" / "kernels"
 
 
-def _build(sources: tuple[Path, ...], target: Path) -> None:
+def _build(sources: tuple[Path, ...], target: Path, march: str) -> None:
     """Compile `sources` into `target`, atomically: a process that builds the same library
     at the same moment (two workers starting) finds either none or a whole one."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -59,7 +59,8 @@ def _build(sources: tuple[Path, ...], target: Path) -> None:
     fd, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
     os.close(fd)
     try:
-        result = subprocess.run([compiler, *CFLAGS, "-o", partial, *map(str, sources), "-lm"],
+        result = subprocess.run([compiler, *CFLAGS, f"-march={march}", "-o", partial,
+                                 *map(str, sources), "-lm"],
                                 capture_output=True, text=True, timeout=BUILD_TIMEOUT)
         if result.returncode:
             raise OSError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
@@ -103,20 +104,27 @@ class _Library:
 
 
 @functools.cache
-def _library() -> _Library | None:
+def build(march: str = "native") -> _Library | None:
+    """The library built for `march` (`native`: this CPU; the tests also build a baseline
+    such as `x86-64-v3`, whose plain loops this CPU would otherwise never run), or None
+    when it cannot be built or loaded (the reason is logged)."""
     source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
-    key = hashlib.sha256(source + " ".join(CFLAGS).encode()
+    key = hashlib.sha256(source + " ".join((*CFLAGS, march)).encode()
                          + cpu_description_key().encode()).hexdigest()[:16]
-    target = cache_dir() / f"llmq-cpu-{key}.so"
+    target = cache_dir() / f"llmq-cpu-{march}-{key}.so"
     try:
         if not target.exists():
-            _build(SOURCES, target)
+            _build(SOURCES, target, march)
         library = _Library(target)
     except (OSError, subprocess.SubprocessError, AttributeError) as exc:
         logger.warning("native CPU kernel unavailable (%s); torch's linear paths only", exc)
         return None
     logger.info("native CPU kernel: %s (%s)", target, library.isa)
     return library
+
+
+def _library() -> _Library | None:
+    return build("native")
 
 
 def available() -> bool:

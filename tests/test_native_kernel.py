@@ -310,3 +310,20 @@ def test_the_step_kernels_setting_picks_native_or_reference(tiny_qwen3_tied_dir,
     with pytest.raises(ValueError, match="LLMQ_CPU_KERNELS='fastest'"):
         ModelRunner(load_checkpoint(tiny_qwen3_tied_dir, dtype="float32"),
                     kv_cache_bytes=1 << 20, linear_path="reference")
+
+
+def test_the_plain_loops_of_a_build_without_avx512_equal_the_references(monkeypatch):
+    """The same checks on a build for x86-64-v3 (AVX2, no AVX-512): the code paths a CPU
+    without AVX-512 runs, which the native build of an AVX-512 machine never does."""
+    import platform
+
+    if platform.machine() != "x86_64":
+        pytest.skip("the baseline build is for x86_64")
+    baseline = native.build("x86-64-v3")
+    assert baseline is not None and baseline.isa == "generic"
+    monkeypatch.setattr(native, "_library", lambda: baseline)
+    for dtype in (torch.float32, torch.bfloat16):
+        test_the_step_ops_equal_the_references(dtype)
+        test_decode_attention_and_the_kv_store_equal_the_references(dtype)
+        for shape in ((1, 7, 5), (5, 100, 768), (9, 256, 200)):
+            test_the_kernel_equals_torch_linear_within_the_summation_order(dtype, *shape)
