@@ -61,12 +61,39 @@ class DecodeBatch:
     rows_are_all: bool  # the rows are exactly 0..num_tokens-1 (a pure decode step)
     block_tables: list[torch.Tensor]  # per decode: [num_context_blocks] int64, unpadded
     context_lens: list[int]  # [num_decodes] tokens each decode attends to (new one included)
-    groups: list[DecodeGroup]  # padded groups; the decodes in none run one by one
-    singles: list[int]  # indices of the decodes that run one by one
     all_tables: torch.Tensor | None = None  # [sum of table lengths] the tables end to end
     # what a backend's decode derives from the fields above, once per step (it reads
     # every layer the same metadata)
     backend_cache: dict | None = None
+    # how `groups` and `singles` are made, on first use: a decode that reads the cache
+    # blocks in place (a backend's) never needs them
+    grouping: tuple | None = None  # (max_group_blocks, block_size, device)
+    _groups: list[DecodeGroup] | None = None
+    _singles: list[int] | None = None
+
+    @property
+    def groups(self) -> list[DecodeGroup]:
+        """Padded groups of nearly equal context lengths; the decodes in none run one by
+        one."""
+        if self._groups is None:
+            self._group()
+        return self._groups  # type: ignore[return-value]
+
+    @property
+    def singles(self) -> list[int]:
+        """Indices of the decodes that run one by one."""
+        if self._singles is None:
+            self._group()
+        return self._singles  # type: ignore[return-value]
+
+    def _group(self) -> None:
+        max_group_blocks, block_size, dev = self.grouping or (None, 1, self.rows.device)
+        num_blocks = [t.numel() for t in self.block_tables]
+        groups, self._singles = _group_decodes(num_blocks, max_group_blocks)
+        tables = [t.tolist() for t in self.block_tables]
+        self._groups = [_padded_group(members, tables, self.context_lens, block_size, dev,
+                                      whole=len(members) == len(num_blocks))
+                        for members in groups]
 
 
 @dataclass(slots=True)
@@ -129,11 +156,6 @@ def build_attention_metadata(
         block_bytes = block_size * kv_cache.shape[4] * kv_cache.shape[5] * kv_cache.element_size()
         max_group_blocks = (_MAX_GROUP_GATHER_BYTES_CPU // block_bytes if dev.type == "cpu"
                             else None)
-        groups, singles = _group_decodes(dec_num_blocks, max_group_blocks)
-        starts = [0]
-        for count in dec_num_blocks:
-            starts.append(starts[-1] + count)
-        tables = [dec_blocks[a:b] for a, b in zip(starts, starts[1:])]
         # one tensor for every table, split into views: one host-to-device copy
         all_tables = torch.tensor(dec_blocks, dtype=torch.int64, device=dev)
         decodes = DecodeBatch(
@@ -141,11 +163,8 @@ def build_attention_metadata(
             rows_are_all=len(dec_rows) == row,
             block_tables=list(all_tables.split(dec_num_blocks)),
             context_lens=dec_lens,
-            groups=[_padded_group(members, tables, dec_lens, block_size, dev,
-                                  whole=len(members) == len(dec_rows))
-                    for members in groups],
-            singles=singles,
             all_tables=all_tables,
+            grouping=(max_group_blocks, block_size, dev),
         )
     return AttentionMetadata(
         kv_cache=kv_cache,

@@ -183,6 +183,34 @@ SOFTMAX(f32, ROUND_F32)
 SOFTMAX(bf16, ROUND_BF16)
 #endif
 
+/* vector bodies of the norm, the residual add and rotary: 16 at a time, the same
+ * roundings as the scalar tails after them */
+#if defined(__AVX512F__)
+#define NORM_VECTOR(S, FP32)                                                              \
+    for (__m512 rv = _mm512_set1_ps(r); i + 16 <= d; i += 16) {                           \
+        __m512 xr = _mm512_mul_ps(load16_##S(x + i), rv);                                 \
+        if (!(FP32)) xr = round16_##S(xr);                                                \
+        store16_##S(out + i, _mm512_mul_ps(xr, load16_##S(w + i)));                       \
+    }
+#define ADD_VECTOR(S)                                                                     \
+    for (; k + 16 <= d; k += 16)                                                          \
+        store16_##S(sum + k, _mm512_add_ps(load16_##S(x + i * d + k),                     \
+                                           load16_##S(residual + i * d + k)));
+#define ROTARY_VECTOR(S)                                                                  \
+    for (; k + 16 <= half; k += 16) {                                                     \
+        __m512 x1 = load16_##S(row + k), x2 = load16_##S(row + k + half);                 \
+        __m512 c = load16_##S(cr + k), s = load16_##S(sr + k);                            \
+        store16_##S(o + k, _mm512_sub_ps(round16_##S(_mm512_mul_ps(x1, c)),               \
+                                         round16_##S(_mm512_mul_ps(x2, s))));             \
+        store16_##S(o + k + half, _mm512_add_ps(round16_##S(_mm512_mul_ps(x2, c)),        \
+                                                round16_##S(_mm512_mul_ps(x1, s))));      \
+    }
+#else
+#define NORM_VECTOR(S, FP32)
+#define ADD_VECTOR(S)
+#define ROTARY_VECTOR(S)
+#endif
+
 #define STEP_OPS(S, T, LOAD, STORE, ROUND, FP32)                                          \
     DOT(dot_##S, T, LOAD)                                                                 \
                                                                                           \
@@ -205,7 +233,9 @@ SOFTMAX(bf16, ROUND_BF16)
     static inline void norm_row_##S(const T *x, const T *w, float eps, int64_t d,         \
                                     T *out) {                                             \
         float r = 1.f / sqrtf(sum_squares_##S(x, d) / (float)d + eps);                    \
-        for (int64_t i = 0; i < d; ++i) {                                                 \
+        int64_t i = 0;                                                                    \
+        NORM_VECTOR(S, FP32)                                                              \
+        for (; i < d; ++i) {                                                              \
             float v = FP32 ? LOAD(x, i) * r * LOAD(w, i)                                  \
                            : ROUND(LOAD(x, i) * r) * LOAD(w, i);                          \
             STORE(out, i, v);                                                             \
@@ -230,7 +260,9 @@ SOFTMAX(bf16, ROUND_BF16)
         _Pragma("omp parallel for num_threads(threads) schedule(static)")                 \
         for (int64_t i = 0; i < n; ++i) {                                                 \
             T *sum = residual_out + i * d;                                                \
-            for (int64_t k = 0; k < d; ++k)                                               \
+            int64_t k = 0;                                                                \
+            ADD_VECTOR(S)                                                                 \
+            for (; k < d; ++k)                                                            \
                 STORE(sum, k, LOAD(x, i * d + k) + LOAD(residual, i * d + k));            \
             norm_row_##S(sum, w, eps, d, out + i * d);                                    \
         }                                                                                 \
@@ -249,9 +281,12 @@ SOFTMAX(bf16, ROUND_BF16)
             for (int64_t j = 0; j < h; ++j) {                                             \
                 const T *row = x + i * sn + j * sh;                                       \
                 T *o = out + (i * h + j) * D;                                             \
-                for (int64_t k = 0; k < half; ++k) {                                      \
+                const T *cr = cos + i * sc, *sr = sin + i * sc;                           \
+                int64_t k = 0;                                                            \
+                ROTARY_VECTOR(S)                                                          \
+                for (; k < half; ++k) {                                                   \
                     float x1 = LOAD(row, k), x2 = LOAD(row, k + half);                    \
-                    float c = LOAD(cos, i * sc + k), s = LOAD(sin, i * sc + k);           \
+                    float c = LOAD(cr, k), s = LOAD(sr, k);                               \
                     STORE(o, k, ROUND(x1 * c) - ROUND(x2 * s));                           \
                     STORE(o, k + half, ROUND(x2 * c) + ROUND(x1 * s));                    \
                 }                                                                         \
