@@ -177,10 +177,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor,
 # go to the reference itself.
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
 def _native_dtype(*tensors: torch.Tensor) -> bool:
     """All on the CPU, in one dtype the kernels take. (A loop, not `all()` over a
     generator: this runs a hundred times a step.)"""
