@@ -148,36 +148,25 @@ BY_ROW_COUNT(block_bf16, uint16_t)
  * more than it saves. */
 #define SERIAL_ELEMENTS (1 << 16)
 
-/* x [M, K] (row stride ldx), w [N, K] contiguous, bias [N] or NULL, y [M, N] contiguous */
-void llmq_skinny_f32(const float *x, const float *w, const float *bias, float *y,
-                     int64_t M, int64_t N, int64_t K, int64_t ldx, int threads) {
-    if (N * K < SERIAL_ELEMENTS) threads = 1;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t n = 0; n < N; ++n)
-        for (int64_t m = 0; m < M; m += MR) {
-            int64_t mr = M - m < MR ? M - m : MR;
-            float part[MR];
-            block_f32(x + m * ldx, w + n * K, part, K, mr, ldx);
-            for (int64_t i = 0; i < mr; ++i)
-                y[(m + i) * N + n] = part[i] + (bias ? bias[n] : 0.f);
-        }
-}
-
-void llmq_skinny_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
-                      uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t ldx,
-                      int threads) {
-    if (N * K < SERIAL_ELEMENTS) threads = 1;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t n = 0; n < N; ++n)
-        for (int64_t m = 0; m < M; m += MR) {
-            int64_t mr = M - m < MR ? M - m : MR;
-            float part[MR];
-            block_bf16(x + m * ldx, w + n * K, part, K, mr, ldx);
-            for (int64_t i = 0; i < mr; ++i)
-                y[(m + i) * N + n] = float_to_bf16(
-                    part[i] + (bias ? bf16_to_float(bias[n]) : 0.f));
-        }
-}
+/* x [M, K] (row stride ldx), w [N, K] contiguous, bias [N] or NULL, y [M, N] contiguous;
+ * TO_F32 / FROM_F32 convert one element of the dtype */
+#define SKINNY(S, T, TO_F32, FROM_F32)                                                    \
+    void llmq_skinny_##S(const T *x, const T *w, const T *bias, T *y, int64_t M,          \
+                         int64_t N, int64_t K, int64_t ldx, int threads) {                \
+        if (N * K < SERIAL_ELEMENTS) threads = 1;                                         \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                 \
+        for (int64_t n = 0; n < N; ++n)                                                   \
+            for (int64_t m = 0; m < M; m += MR) {                                         \
+                int64_t mr = M - m < MR ? M - m : MR;                                     \
+                float part[MR];                                                           \
+                block_##S(x + m * ldx, w + n * K, part, K, mr, ldx);                      \
+                for (int64_t i = 0; i < mr; ++i)                                          \
+                    y[(m + i) * N + n] = FROM_F32(part[i] + (bias ? TO_F32(bias[n]) : 0.f)); \
+            }                                                                             \
+    }
+#define SAME_F32(v) (v)
+SKINNY(f32, float, SAME_F32, SAME_F32)
+SKINNY(bf16, uint16_t, bf16_to_float, float_to_bf16)
 
 /* which code path this build took, for the start-up log */
 const char *llmq_skinny_isa(void) {

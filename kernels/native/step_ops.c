@@ -118,24 +118,29 @@ static inline float head_dot_bf16(const float *q, const uint16_t *k, int64_t D) 
 }
 #define HEAD_DOT(S, q, k, D) ((D) % 16 == 0 ? head_dot_##S(q, k, D) : dot_##S(q, k, D))
 
+/* the lanes of a 16-wide step that hold one of the `left` remaining elements */
+static inline __mmask16 tail_mask(int64_t left) {
+    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+}
+
 /* softmax of one row of scores in place, then rounded as the dtype's softmax rounds */
 #define SOFTMAX(S, ROUND16)                                                               \
     static inline void softmax_##S(float *s, int64_t L) {                                 \
         __m512 top = _mm512_set1_ps(-INFINITY), total = _mm512_setzero_ps();              \
         for (int64_t t = 0; t < L; t += 16) {                                             \
-            __mmask16 m = L - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (L - t)) - 1); \
+            __mmask16 m = tail_mask(L - t);                                               \
             top = _mm512_mask_max_ps(top, m, top, _mm512_maskz_loadu_ps(m, s + t));       \
         }                                                                                 \
         __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(top));                          \
         for (int64_t t = 0; t < L; t += 16) {                                             \
-            __mmask16 m = L - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (L - t)) - 1); \
+            __mmask16 m = tail_mask(L - t);                                               \
             __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), peak));      \
             _mm512_mask_storeu_ps(s + t, m, e);                                           \
             total = _mm512_mask_add_ps(total, m, total, e);                               \
         }                                                                                 \
         __m512 sum = _mm512_set1_ps(_mm512_reduce_add_ps(total));                         \
         for (int64_t t = 0; t < L; t += 16) {                                             \
-            __mmask16 m = L - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (L - t)) - 1); \
+            __mmask16 m = tail_mask(L - t);                                               \
             __m512 v = ROUND16(_mm512_div_ps(_mm512_maskz_loadu_ps(m, s + t), sum));      \
             _mm512_mask_storeu_ps(s + t, m, v);                                           \
         }                                                                                 \
