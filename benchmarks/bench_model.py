@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from kernels.cpu import describe
+from kernels.linear import describe_times
 from tasks.params import SamplingParams
 from workers.engine.loader import load_checkpoint
 from workers.engine.model_runner import ModelRunner
@@ -191,9 +192,7 @@ def main() -> None:
     print(describe())
     print(f"model: {config.arch} {num_params / 1e6:.1f}M params, {config.dtype}; "
           f"prompt {args.prompt_len}, {args.new_tokens} new tokens")
-    probe = "; ".join(f"batch {m} " + ", ".join(f"{name} {t * 1e3:.1f}"
-                                                for name, t in by_path.items())
-                      for m, by_path in runner.linear_probe.items())
+    probe = describe_times(runner.linear_probe)
     print(f"linear path chosen at start-up: {runner.linear_path}, native kernel up to "
           f"{runner.skinny_rows} rows, plain weights up to {runner.plain_rows} rows (ms per "
           f"pass over the model's weights: {probe or 'not measured'})")

@@ -67,7 +67,9 @@ class DecodeBatch:
     backend_cache: dict | None = None
     # how `groups` and `singles` are made, on first use: a decode that reads the cache
     # blocks in place (a backend's) never needs them
-    grouping: tuple | None = None  # (max_group_blocks, block_size, device)
+    # (max_group_blocks, block_size, each table's length, the tables end to end as a
+    # host list: grouping reads no device tensor back)
+    grouping: tuple | None = None
     _groups: list[DecodeGroup] | None = None
     _singles: list[int] | None = None
 
@@ -87,12 +89,14 @@ class DecodeBatch:
         return self._singles  # type: ignore[return-value]
 
     def _group(self) -> None:
-        max_group_blocks, block_size, dev = self.grouping or (None, 1, self.rows.device)
-        num_blocks = [t.numel() for t in self.block_tables]
+        max_group_blocks, block_size, num_blocks, all_blocks = self.grouping
         groups, self._singles = _group_decodes(num_blocks, max_group_blocks)
-        tables = [t.tolist() for t in self.block_tables]
-        self._groups = [_padded_group(members, tables, self.context_lens, block_size, dev,
-                                      whole=len(members) == len(num_blocks))
+        tables, start = [], 0
+        for count in num_blocks:
+            tables.append(all_blocks[start:start + count])
+            start += count
+        self._groups = [_padded_group(members, tables, self.context_lens, block_size,
+                                      self.rows.device, whole=len(members) == len(num_blocks))
                         for members in groups]
 
 
@@ -164,7 +168,7 @@ def build_attention_metadata(
             block_tables=list(all_tables.split(dec_num_blocks)),
             context_lens=dec_lens,
             all_tables=all_tables,
-            grouping=(max_group_blocks, block_size, dev),
+            grouping=(max_group_blocks, block_size, dec_num_blocks, dec_blocks),
         )
     return AttentionMetadata(
         kv_cache=kv_cache,

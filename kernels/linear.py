@@ -89,6 +89,13 @@ def time_paths(weights: list[torch.Tensor], batch_sizes: tuple[int, ...] = PROBE
     return result
 
 
+def describe_times(times: dict[int, dict[str, float]]) -> str:
+    """`time_paths`' figures for a log line: milliseconds per pass, by row count and path."""
+    return "; ".join(f"batch {m} " + ", ".join(f"{name} {t * 1e3:.2f}"
+                                               for name, t in by_path.items())
+                     for m, by_path in times.items())
+
+
 @dataclass(frozen=True)
 class LinearPlan:
     """Which kernel takes a projection call of M rows, from `time_paths`.

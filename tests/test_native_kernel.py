@@ -203,7 +203,12 @@ print(json.dumps([native.available(), str(native._library().path)]))
     assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(path)]  # no leftovers
 
 
-def _step_op_cases(dtype):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_step_ops_equal_the_references(dtype):
+    """bf16: bit for bit (the same roundings at the same points); fp32: within a few ulp
+    (sums in another order, another exp)."""
+    from kernels import activation, norms, rotary
+
     gen = torch.Generator().manual_seed(3)
 
     def rand(*shape, scale=1.0):
@@ -213,16 +218,6 @@ def _step_op_cases(dtype):
     q = qkv[:, :768].view(5, 12, 64)  # token rows strided by the qkv width
     k = qkv[:, 768:1024].view(5, 4, 64)
     cos_sin = rand(5, 64)
-    return rand, qkv, q, k, cos_sin
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_step_ops_equal_the_references(dtype):
-    """bf16: bit for bit (the same roundings at the same points); fp32: within a few ulp
-    (sums in another order, another exp)."""
-    from kernels import activation, norms, rotary
-
-    rand, qkv, q, k, cos_sin = _step_op_cases(dtype)
     x, residual, weight = rand(5, 768), rand(5, 768), rand(768)
     cos, sin = cos_sin.chunk(2, dim=-1)  # views with a row stride of 64
     gate_up = rand(5, 2 * 1000, scale=6)

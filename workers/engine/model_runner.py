@@ -116,10 +116,7 @@ class ModelRunner:
         plan = dense.choose_plan(times)
         logger.info("linear paths timed on %s, %s, %d threads, %d weights in %.1f s "
                     "(ms per pass): %s", self.device, self.dtype, torch.get_num_threads(),
-                    len(weights), probe_seconds, "; ".join(
-                        f"batch {m} " + ", ".join(f"{name} {t * 1e3:.2f}"
-                                                  for name, t in by_path.items())
-                        for m, by_path in times.items()))
+                    len(weights), probe_seconds, dense.describe_times(times))
         return plan
 
     def _apply_linear_plan(self, plan: dense.LinearPlan) -> None:

@@ -86,13 +86,7 @@ class LinearBase(nn.Module):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._project(x, self.bias)
-
-    def _project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """`x @ W^T + bias` on the path this call's row count takes."""
-        if self.packed_weight is not None and x.shape[0] > self.plain_rows:
-            return dense.linear(x, self.packed_weight, bias)
-        return dense.linear(x, self.weight, bias, self.skinny_rows)
+        return _project(self, x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -174,7 +168,7 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._project(x, None)
+        y = _project(self, x, None)
         if self.tp_size > 1:
             dist.all_reduce(y)  # TP: sum the partial products of every rank
         if self.bias is not None:
@@ -234,14 +228,22 @@ class ParallelLMHead(VocabParallelEmbedding):
         return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = (self.weight if self.packed_weight is None or hidden.shape[0] <= self.plain_rows
-                  else self.packed_weight)
-        logits = dense.linear(hidden, weight, skinny_rows=self.skinny_rows)
+        logits = _project(self, hidden, None)
         if self.tp_size > 1:  # TP: gather the vocabulary slices of every rank
             parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
             dist.all_gather(parts, logits)
             logits = torch.cat(parts, dim=-1)
         return logits
+
+
+def _project(layer: LinearBase | ParallelLMHead, x: torch.Tensor,
+             bias: torch.Tensor | None) -> torch.Tensor:
+    """`x @ W^T + bias` on the path this call's row count takes: the prepacked copy above
+    `plain_rows` rows (a split), else the plain weight (the native kernel up to
+    `skinny_rows` rows)."""
+    if layer.packed_weight is not None and x.shape[0] > layer.plain_rows:
+        return dense.linear(x, layer.packed_weight, bias)
+    return dense.linear(x, layer.weight, bias, layer.skinny_rows)
 
 
 def use_native_kernel(model: nn.Module, skinny_rows: int) -> int:
