@@ -67,6 +67,7 @@ def run_offline(engine: Any, args: argparse.Namespace) -> dict[str, Any]:
 
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0)
     started, cpu_started = time.perf_counter(), time.thread_time()
+    steps_before = engine.stats().num_steps
     for i, prompt in enumerate(prompts(args.num_lines, args.prompt_words)):
         engine.add_request(f"offline-{i}", prompt, params)
     num_tokens = 0
@@ -74,7 +75,23 @@ def run_offline(engine: Any, args: argparse.Namespace) -> dict[str, Any]:
         num_tokens += sum(len(d.new_token_ids) for d in engine.step())
     elapsed = time.perf_counter() - started
     return {"tokens": num_tokens, "seconds": elapsed, "tokens_per_s": num_tokens / elapsed,
-            "cpu_seconds": time.thread_time() - cpu_started}
+            "cpu_seconds": time.thread_time() - cpu_started,
+            "tokens_per_step": num_tokens / max(1, engine.stats().num_steps - steps_before)}
+
+
+def group_figures(services: Services) -> dict[str, Any]:
+    """The worker's last heartbeat: its engine's step and token counters."""
+    from tasks.protocol import groups_key
+
+    raw = services.redis.hget(groups_key(services.settings, "bench"), "bench-group")
+    return json.loads(raw) if raw else {}
+
+
+def tokens_per_step(before: dict[str, Any], after: dict[str, Any]) -> float:
+    steps = after.get("num_steps", 0) - before.get("num_steps", 0)
+    tokens = (after.get("generation_tokens_total", 0)
+              - before.get("generation_tokens_total", 0))
+    return tokens / steps if steps > 0 else float("nan")
 
 
 def ttft(client: Any, args: argparse.Namespace, index: int) -> float:
@@ -92,7 +109,7 @@ def ttft(client: Any, args: argparse.Namespace, index: int) -> float:
     return first
 
 
-def run_busy(client: Any, args: argparse.Namespace, worker_pid: int) -> dict[str, Any]:
+def run_busy(client: Any, args: argparse.Namespace, services: Services) -> dict[str, Any]:
     """The batch, and the interactive client beside it until it completes; with the CPU
     seconds each thread of the worker spent meanwhile."""
     lines = [{"custom_id": f"line-{i}", "method": "POST", "url": "/v1/completions",
@@ -111,6 +128,7 @@ def run_busy(client: Any, args: argparse.Namespace, worker_pid: int) -> dict[str
             index += 1
             done.wait(args.interactive_gap)
 
+    worker_pid = services.worker.pid
     cpu_before = thread_cpu(worker_pid)
     started = time.perf_counter()
     batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/completions",
@@ -120,6 +138,7 @@ def run_busy(client: Any, args: argparse.Namespace, worker_pid: int) -> dict[str
         time.sleep(0.1)
         batch = client.batches.retrieve(batch.id)
     validated = time.perf_counter()
+    group_before = group_figures(services)
     thread = threading.Thread(target=interactive, daemon=True)
     thread.start()
     while batch.status not in ("completed", "failed", "expired", "cancelled"):
@@ -127,6 +146,7 @@ def run_busy(client: Any, args: argparse.Namespace, worker_pid: int) -> dict[str
         batch = client.batches.retrieve(batch.id)
     elapsed = time.perf_counter() - started
     cpu_after = thread_cpu(worker_pid)
+    group_after = group_figures(services)
     done.set()
     thread.join(60)
     output = client.files.content(batch.output_file_id).text.splitlines() \
@@ -141,6 +161,8 @@ def run_busy(client: Any, args: argparse.Namespace, worker_pid: int) -> dict[str
                                           for name, cpu in cpu_after.items()
                                           if cpu - cpu_before.get(name, 0.0) >= 0.01},
             "interactive_tokens": len(samples) * args.interactive_tokens,
+            # from the worker's heartbeats (every second or so): roughly the batch's steps
+            "tokens_per_step": tokens_per_step(group_before, group_after),
             "ttft": samples}
 
 
@@ -227,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         idle = [ttft(client, args, i) for i in range(args.idle_requests)]
         print(f"idle TTFT p50 {1000 * statistics.median(idle):.0f} ms", flush=True)
         busy_started = time.time()
-        busy = run_busy(client, args, services.worker.pid)
+        busy = run_busy(client, args, services)
         phases = {"idle": interactive_phases(services, idle_started, busy_started),
                   "busy": interactive_phases(services, busy_started, time.time())}
     finally:
@@ -260,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
          f"create took {busy['create_seconds']:.1f} s, validated after "
          f"{busy['validate_seconds']:.1f} s)"),
         *_cpu_rows(offline, busy),
+        ("tokens sampled per step, served (from heartbeats) / offline engine",
+         f"{busy['tokens_per_step']:.1f} / {offline['tokens_per_step']:.1f}"),
         ("machine", f"{figures['cpu']}, {os.cpu_count()} cores, 1-min load average "
                     f"{figures['load_average_1m']:.1f} at the end"),
     ]

@@ -22,7 +22,7 @@ from tests.pipeline_helpers import running_worker, wait_for
 from workers.admitted import AdmittedJob
 from workers.inbox import JobInbox
 
-# a group of 4 sequences: 3 for batch lines, 1 kept for interactive requests
+# a group of 4 sequences: batch lines fill them (and one more waits in the engine)
 FOUR_SEQS = ["--max-num-seqs", "4", "--kv-cache-bytes", str(16 * 1024 * 1024)]
 
 
@@ -31,36 +31,40 @@ def _job(job_id: str, priority: int = 0) -> AdmittedJob:
                        priority=priority)
 
 
-def test_batch_jobs_leave_a_quarter_of_the_capacity_to_interactive_ones():
+def test_batch_lines_fill_the_capacity_and_a_quarter_more():
     inbox = JobInbox(capacity=8)
-    assert inbox.batch_capacity == 6
-    for i in range(6):
+    assert inbox.batch_capacity == 10  # two wait in the engine for a freed seat
+    for i in range(10):
         assert inbox.admit(_job(f"b{i}", BATCH_PRIORITY), timeout=0.1)
-    assert not inbox.admit(_job("b6", BATCH_PRIORITY), timeout=0.1)  # no spare room
-    assert inbox.admit(_job("i0"), timeout=0.1) and inbox.admit(_job("i1"), timeout=0.1)
-    assert not inbox.admit(_job("i2"), timeout=0.1)  # the group is full
-    taken = inbox.take().jobs
-    inbox.release(taken[:1])  # one batch line ends: room for an interactive job first
-    assert inbox.admit(_job("i2"), timeout=0.1)
-    assert not inbox.admit(_job("b7", BATCH_PRIORITY), timeout=0.1)
-
-
-def test_interactive_jobs_beyond_the_reserve_take_room_from_batch_lines():
-    inbox = JobInbox(capacity=4)  # 3 for batch lines, 1 kept
-    for i in range(3):
-        assert inbox.admit(_job(f"b{i}", BATCH_PRIORITY), timeout=0.1)
-    assert inbox.admit(_job("i0"), timeout=0.1)
-    assert inbox.interactive_shortfall() == 0  # nobody waits
-    waiter = threading.Thread(target=lambda: admitted.append(inbox.admit(_job("i1"))))
-    admitted: list[bool] = []
-    waiter.start()
-    wait_for(lambda: inbox.interactive_shortfall() == 1, 5, "the interactive job to wait")
-    # while it waits, no batch line is admitted, even into free room
-    taken = inbox.take().jobs
+    assert not inbox.admit(_job("b10", BATCH_PRIORITY), timeout=0.1)  # no room left
     assert inbox.wait_batch_room(0.05) == 0
-    inbox.release([taken[0]])  # the batcher handed a line back: the interactive job runs
+    inbox.release(inbox.take().jobs[:3])
+    assert inbox.wait_batch_room(0.05) == 3
+
+
+def test_interactive_jobs_never_wait_for_batch_lines():
+    inbox = JobInbox(capacity=4)
+    for i in range(5):
+        assert inbox.admit(_job(f"b{i}", BATCH_PRIORITY), timeout=0.1)
+    # the engine gives them batch lines' seats: only other interactive jobs count
+    for i in range(4):
+        assert inbox.admit(_job(f"i{i}"), timeout=0.1)
+    assert not inbox.admit(_job("i4"), timeout=0.1)  # interactive jobs fill the capacity
+
+
+def test_a_waiting_interactive_job_holds_batch_lines_back():
+    inbox = JobInbox(capacity=4)
+    for i in range(4):
+        assert inbox.admit(_job(f"i{i}"), timeout=0.1)
+    assert inbox.wait_batch_room(0.05) == 1
+    admitted: list[bool] = []
+    waiter = threading.Thread(target=lambda: admitted.append(inbox.admit(_job("i4"))))
+    waiter.start()
+    wait_for(lambda: inbox.wait_batch_room(0.01) == 0, 5, "the interactive job to wait")
+    inbox.release(inbox.take().jobs[:1])  # an interactive job ends: the waiter goes first
     waiter.join(5)
-    assert admitted == [True] and inbox.interactive_shortfall() == 0
+    assert admitted == [True]
+    assert inbox.wait_batch_room(0.05) == 1
 
 
 @pytest.mark.integration
@@ -119,22 +123,23 @@ def _timed(client: openai.OpenAI) -> float:
 
 
 @pytest.mark.integration
-def test_interactive_requests_beyond_the_reserve_hand_batch_lines_back(
+def test_interactive_requests_take_seats_from_running_batch_lines(
         start_web, service_settings, redis_client, session_factory, tmp_path):
-    """A group of 4 sequences, 3 busy with long batch lines: 3 interactive requests at once
-    need more than the one kept sequence, so batch lines are handed back (unspent) for
-    them; the interactive requests end before any line, and the batch still completes
-    with every line exactly once."""
+    """A group of 4 sequences, every seat busy with a long batch line and one more line
+    waiting in the engine: 3 interactive requests at once take seats from batch lines
+    (preempted in the engine, not handed back), end before any line, and the batch still
+    completes with every line exactly once and no attempt spent."""
     base_url = start_web(service_settings)
     client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0,
                            timeout=120)
-    with running_worker(service_settings, redis_client, tmp_path, "handback", args=FOUR_SEQS):
-        batch = _create_batch(client, "h", 4, max_tokens=800)
+    with running_worker(service_settings, redis_client, tmp_path, "seats", args=FOUR_SEQS):
+        batch = _create_batch(client, "h", 6, max_tokens=800)
 
         def lines_in(*statuses: str) -> int:
             return _count_lines(session_factory, batch.id, *statuses)
 
-        wait_for(lambda: lines_in(JobStatus.RUNNING.value) >= 3, 60, "batch lines running")
+        # 4 seats and 1 line ahead: every seat holds a batch line
+        wait_for(lambda: lines_in(JobStatus.RUNNING.value) >= 5, 60, "batch lines running")
         with ThreadPoolExecutor(3) as pool:
             answers = list(pool.map(lambda i: client.completions.create(
                 model="tiny", prompt=f"interactive {i}", max_tokens=64, temperature=0.0,
@@ -147,20 +152,21 @@ def test_interactive_requests_beyond_the_reserve_hand_batch_lines_back(
     with session_factory() as session:
         interactive = [session.get(Job, uuid.UUID(answer.id.removeprefix("cmpl-")))
                        for answer in answers]
-    # they ran side by side (each had its first token before any of them ended), not one
-    # after another in the one kept sequence
+    # they ran side by side (each had its first token before any of them ended)
     assert max(job.first_token_at for job in interactive) < min(
         job.finished_at for job in interactive), [
         (round((job.first_token_at - job.created_at).total_seconds() * 1e3),
          round((job.finished_at - job.created_at).total_seconds() * 1e3),
          round((job.created_at - interactive[0].created_at).total_seconds() * 1e3))
         for job in interactive]
-    assert sorted(json.loads(line)["custom_id"] for line in output) == [
-        f"h{i}" for i in range(4)]
+    bodies = {json.loads(line)["custom_id"]: json.loads(line)["response"]["body"]
+              for line in output}
+    assert sorted(bodies) == [f"h{i}" for i in range(6)]
+    assert {body["usage"]["completion_tokens"] for body in bodies.values()} == {800}
     with session_factory() as session:
         rows = session.scalars(select(Job).where(Job.batch_id == batch.id)).all()
     restarted = [row for row in rows if any(
         JobEvent.from_fields(fields).type is EventType.RESTART
         for _, fields in redis_client.xrange(events_key(service_settings, str(row.id))))]
-    assert restarted, "no batch line was handed back"
-    assert all(row.attempts == 1 for row in rows)  # handed back unspent
+    assert not restarted, "a batch line was handed back"
+    assert all(row.attempts == 1 for row in rows)

@@ -108,3 +108,51 @@ def test_the_band_runs_at_least_once_every_few_steps_while_prompts_keep_coming()
     assert carried == ([False] * MAX_DEFERRED_IN_A_ROW + [True]) + [False] * (
         MAX_DEFERRED_IN_A_ROW - 1)
     assert fg.num_computed_tokens == 2 * 2 * MAX_DEFERRED_IN_A_ROW
+
+
+def test_a_foreground_prompt_takes_the_seat_of_the_last_background_sequence() -> None:
+    sched = make_scheduler(max_num_seqs=2, block_size=4, background_priority=BACKGROUND)
+    bg1, bg2 = (add(sched, 8, priority=BACKGROUND)[0] for _ in range(2))
+    step(sched)  # both prompts: every seat is taken by the band
+    (fg,) = add(sched, 5)
+    out, sampled = step(sched)
+    # the later band sequence gave its seat; the prompt ran without the band
+    assert chunks(out) == {fg.seq_id: 5} and sampled == [fg]
+    assert out.preempted_seq_ids == [bg2.seq_id]
+    assert bg2.status == SequenceStatus.PREEMPTED and sched.waiting == [bg2]
+    assert bg2.num_output_tokens == 1  # its output is kept: it recomputes, never resamples
+    assert bg1.status == SequenceStatus.RUNNING
+    out, _ = step(sched)
+    assert chunks(out) == {fg.seq_id: 1, bg1.seq_id: 1}
+    # once a seat frees, it resumes from its full prompt blocks in the prefix cache
+    sched.finish_seqs([fg], SequenceStatus.FINISHED_STOPPED)
+    out, _ = step(sched)
+    assert chunks(out) == {bg1.seq_id: 1, bg2.seq_id: 1}  # 8 + 1 tokens, 8 of them cached
+    assert bg2.status == SequenceStatus.RUNNING and bg2.num_output_tokens == 2
+
+
+def test_foreground_sequences_never_take_seats_from_each_other() -> None:
+    sched = make_scheduler(max_num_seqs=2, background_priority=BACKGROUND)
+    fg1, fg2 = (add(sched, 4)[0] for _ in range(2))
+    step(sched)
+    (fg3,) = add(sched, 4)
+    out, _ = step(sched)
+    assert chunks(out) == {fg1.seq_id: 1, fg2.seq_id: 1}
+    assert out.preempted_seq_ids == [] and sched.waiting == [fg3]
+
+
+def test_seats_to_free_counts_free_seats_and_stops_at_foreground_work() -> None:
+    sched = make_scheduler(max_num_seqs=3, background_priority=BACKGROUND)
+    (fg,) = add(sched, 4)
+    bg1, bg2 = (add(sched, 4, priority=BACKGROUND)[0] for _ in range(2))
+    step(sched)
+    waiting = [add(sched, 4)[0] for _ in range(4)]
+    bands = sched.bands
+    # four wait: each free seat spares a band sequence, the last ones go first, and the
+    # foreground sequence running keeps its seat
+    assert bands.seats_to_free(sched.running, sched.waiting, 3) == [bg2]
+    assert bands.seats_to_free(sched.running, sched.waiting, 2) == [bg2, bg1]
+    assert bands.seats_to_free(sched.running, sched.waiting, 0) == [bg2, bg1]
+    assert bands.seats_to_free(sched.running, sched.waiting, 4) == []
+    assert PriorityBands(None).seats_to_free(sched.running, waiting, 0) == []
+    assert fg.status == SequenceStatus.RUNNING

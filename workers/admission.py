@@ -39,10 +39,16 @@ from workers.job_rows import JobResult
 logger = logging.getLogger(__name__)
 
 
+class FlagPipeline(Protocol):
+    def exists(self, *names: str) -> object: ...  # its reply: truthy when a flag is set
+
+    def execute(self) -> list[Any]: ...
+
+
 class CancelFlags(Protocol):
     """The Redis client admission reads cancel flags with (`redis.Redis`)."""
 
-    def exists(self, *names: str) -> object: ...  # truthy when a flag is set
+    def pipeline(self, transaction: bool = True) -> FlagPipeline: ...
 
 
 class JobTaker(Protocol):
@@ -144,7 +150,7 @@ class JobAdmission:
         if row is None:
             logger.info("job %s is not queued any more; skipped", job_id)
             return GenerateOutcome.SKIPPED
-        return self._take(job_id, row)
+        return self._take(job_id, row, self._cancel_requested([job_id]))
 
     def run_next_batch_jobs(self, model: str, limit: int) -> list[GenerateOutcome]:
         """Claim up to `limit` queued batch lines of `model` in one statement and hand them
@@ -166,13 +172,16 @@ class JobAdmission:
                           .limit(max(1, limit)).with_for_update(skip_locked=True)
                           .cte("next_lines").prefix_with("MATERIALIZED"))
             rows = self._claim_rows(Job.id.in_(select(next_lines.c.id)))
-            return [self._take(str(row.id), row) for row in rows]
+            job_ids = [str(row.id) for row in rows]
+            cancelled = self._cancel_requested(job_ids)
+            return [self._take(job_id, row, job_id in cancelled)
+                    for job_id, row in zip(job_ids, rows)]
         finally:
             with self._cv:
                 self._num_in_flight -= 1
                 self._cv.notify_all()
 
-    def _take(self, job_id: str, row: Row[Any]) -> GenerateOutcome:
+    def _take(self, job_id: str, row: Row[Any], cancel_requested: bool) -> GenerateOutcome:
         """The claimed row `job_id` to the batcher (or failed, cancelled, given back)."""
         attempt = int(row.attempts)
         self.writer.own(job_id, attempt)
@@ -184,7 +193,7 @@ class JobAdmission:
             self._end(job_id, attempt, JobStatus.FAILED, f"invalid job parameters: {exc}",
                       JobErrorKind.INVALID_REQUEST)
             return GenerateOutcome.FAILED
-        if self._cancel_requested(job_id):
+        if cancel_requested:
             logger.info("job %s was cancelled before it started", job_id)
             self._end(job_id, attempt, JobStatus.CANCELLED, None)
             return GenerateOutcome.CANCELLED
@@ -225,12 +234,20 @@ class JobAdmission:
         with self._claim_bind.connect() as conn:
             return list(conn.execute(statement).all())
 
-    def _cancel_requested(self, job_id: str) -> bool:
+    def _cancel_requested(self, job_ids: list[str]) -> set[str]:
+        """Those of `job_ids` whose cancel flag is set (one round trip for all)."""
+        if not job_ids:
+            return set()
         try:
-            return bool(self.redis.exists(cancel_flag_key(self.settings, job_id)))
+            pipe = self.redis.pipeline(transaction=False)
+            for job_id in job_ids:
+                pipe.exists(cancel_flag_key(self.settings, job_id))
+            flags = pipe.execute()
         except Exception:  # the cancel channel still reaches the batcher
-            logger.warning("could not read the cancel flag of job %s", job_id, exc_info=True)
-            return False
+            logger.warning("could not read the cancel flags of jobs %s", job_ids,
+                           exc_info=True)
+            return set()
+        return {job_id for job_id, flag in zip(job_ids, flags) if flag}
 
     def _end(self, job_id: str, attempt: int, status: JobStatus, error: str | None,
              error_kind: JobErrorKind | None = None) -> None:

@@ -1,12 +1,13 @@
 """`BatchFeeder`: a device group's batch lines come from the table, not the broker.
 
 Batch lines (`jobs.batch_id`) have no `generate` messages. This thread waits until the
-group has spare room for one (`JobInbox.batch_capacity`: a quarter of the capacity stays
-free for interactive jobs), then claims any queued batch line of the model with the same
-conditional UPDATE a message's `generate` uses (as many as fit, in one statement) and
-hands them to the batcher. So an
-interactive request never waits behind batch lines in the broker, and a task thread never
-blocks on a batch line; a lease reclaim just queues a line again for any group to take.
+group has room for one (`JobInbox.batch_capacity`: the capacity and a quarter more, which
+waits in the engine for a freed seat; interactive jobs take seats from batch lines in the
+engine), then claims any queued batch line of the model with the same conditional UPDATE
+a message's `generate` uses (as many as fit, in one statement) and hands them to the
+batcher. So an interactive request never waits behind batch lines in the broker, and a
+task thread never blocks on a batch line; a lease reclaim just queues a line again for
+any group to take.
 """
 
 from __future__ import annotations

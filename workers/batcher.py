@@ -52,7 +52,7 @@ from workers.engine.config import EngineStats
 from workers.engine.errors import DeviceGroupError
 from workers.engine.outputs import CompletionDelta
 from workers.inbox import JobInbox
-from workers.job_rows import JobProgress, JobRequeue, JobResult
+from workers.job_rows import JobProgress, JobResult
 from workers.job_state import JobState
 from workers.step_health import StepHealth
 from workers.step_publisher import StepPublisher
@@ -92,9 +92,6 @@ class ResultWriter(Protocol):
     def progress(self, items: list[JobProgress]) -> None: ...
 
     def finish(self, result: JobResult) -> None: ...
-
-    def requeue(self, job_id: str, attempt: int, *, give_back: bool = True,
-                send_message: bool = True) -> None: ...
 
 
 @dataclass(slots=True)
@@ -143,9 +140,6 @@ class Batcher:
         self.health = StepHealth(max_consecutive_failed_steps,
                                  fault_inject_step_failures=fault_inject_step_failures)
         self.publisher = StepPublisher(publisher.sender(), self._on_published)
-        self._handed_back: list[JobRequeue] = []  # batch lines given up this step
-        self._released: list[AdmittedJob] = []  # their admission, released after the step
-        self.num_handed_back = 0  # batch lines handed back for interactive jobs
         # figures of finished jobs; the heartbeat writes them to Redis (no I/O here)
         self.metrics = WorkerMetrics()
         self._thread = threading.Thread(target=self._run, name="llmq-batcher", daemon=True)
@@ -242,7 +236,6 @@ class Batcher:
             self._apply_cancels(work.cancels, events)
             self._add_jobs(work.jobs, work.cancelled_jobs, events)
             self._drop_lost(work.lost)
-            self._yield_to_interactive()
             if self.engine.has_unfinished_requests():
                 self._step(events)
             elif self._jobs:
@@ -308,44 +301,10 @@ class Batcher:
                 continue
             state.num_prompt_tokens = int(num_prompt_tokens or 0)
 
-    def _yield_to_interactive(self) -> None:
-        """Interactive jobs wait in admission for room that batch lines hold: hand back
-        the lines with the least output (the least work lost) until they fit. A line goes
-        back to the table unspent, after its events are stored (`_on_published`), and a
-        batch feeder claims it again when there is spare room."""
-        shortfall = self._inbox.interactive_shortfall()
-        if not shortfall:
-            return
-        lines = sorted((state for state in self._jobs.values()
-                        if is_batch_priority(state.job.priority)),
-                       key=lambda state: sum(len(ids) for ids in state.token_ids))
-        for state in lines:
-            if shortfall <= 0:
-                break
-            job = state.job
-            try:
-                self.engine.abort_request(job.job_id)  # its deltas are dropped: it reruns
-            except Exception:
-                logger.exception("handing back batch line %s failed; it keeps running",
-                                 job.job_id)
-                continue
-            del self._jobs[job.job_id]
-            self._handed_back.append(JobRequeue(job.job_id, job.attempt, give_back=True,
-                                                send_message=False))
-            self._released.append(job)
-            self.num_handed_back += 1
-            shortfall -= job.num_samples
-            logger.info("batch line %s handed back: interactive jobs need its room",
-                        job.job_id)
-
-    def _on_published(self, item: JobResult | JobRequeue) -> None:
-        """From the step publisher, once the step's events are stored: a result goes to
-        its row; a handed-back line to the queue (its `restart` follows its events)."""
-        if isinstance(item, JobRequeue):
-            self.writer.requeue(item.job_id, item.attempt, give_back=item.give_back,
-                                send_message=item.send_message)
-        else:
-            self.writer.finish(item)
+    def _on_published(self, result: JobResult) -> None:
+        """From the step publisher, once the step's events are stored: the result goes to
+        its row."""
+        self.writer.finish(result)
 
     def _drop_lost(self, lost: set[tuple[str, int]]) -> None:
         for job_id, attempt in lost:
@@ -436,15 +395,13 @@ class Batcher:
         """Send this step's events (one publish call); its finished results and handed-back
         lines follow them."""
         finished, self._finished = self._finished, []
-        handed_back, self._handed_back = self._handed_back, []
-        released, self._released = self._released, []
         results = [state.result() for state in finished]
         attempts = {job_id: state.job.attempt for job_id, state in self._jobs.items()}
         attempts.update((state.job.job_id, state.job.attempt) for state in finished)
-        self.publisher.submit(events, attempts, [*results, *handed_back])
+        self.publisher.submit(events, attempts, results)
         for state, result in zip(finished, results):
             self.metrics.observe_job(state.figures(result))
-        self._inbox.release([state.job for state in finished] + released)
+        self._inbox.release([state.job for state in finished])
 
     def _send_progress(self) -> None:
         """First-token times at once; partial output of every job each progress_interval."""

@@ -7,13 +7,16 @@ not finished yet. `admit` blocks while the group is full, and a blocked task thr
 its worker from fetching more messages, so other device groups take them
 (back-pressure without a router).
 
-Batch lines (`tasks.api.batches.BATCH_PRIORITY`) fill spare room only: they wait while
-more than `batch_capacity` samples are admitted, so a quarter of the capacity stays free
-for interactive jobs, which never wait behind them here (and the scheduler orders them
-first, and preempts batch sequences first when KV blocks run out). When interactive jobs
-need more than that quarter, they take room from batch lines: while one waits in `admit`,
-`interactive_shortfall()` tells the batcher how many samples to hand back (batch lines go
-back to the queue unspent, `workers/batcher.py`), and no batch line is admitted.
+Two bands share the ledger. Interactive jobs wait only for each other: they are admitted
+while their own samples fit the capacity, whatever batch lines hold. Batch lines
+(`tasks.api.batches.BATCH_PRIORITY`) fill what is left: they are admitted while all
+samples together fit `batch_capacity`, a quarter more than the capacity, and while no
+interactive job waits. The quarter beyond the capacity waits in the engine, so a seat a
+finished line frees is taken in the same step, not after the feeder's next claim. The
+engine's scheduler (workers/engine/priority_bands.py) gives an interactive sequence the
+seat of a running batch sequence when every seat is taken (that one is preempted by
+recompute and resumes later, its output kept), and runs interactive prompt chunks
+without the batch band.
 
 One condition variable guards everything here; every change that can unblock a waiter
 notifies it.
@@ -29,7 +32,8 @@ from tasks.api.batches import is_batch_priority
 from workers.admitted import AdmittedJob
 from workers.cancel_requests import CancelRequests
 
-BATCH_RESERVE_DIVISOR = 4  # 1/4 of a group's capacity is kept for interactive jobs
+# batch lines admitted beyond the capacity (they wait in the engine for a seat): 1/4
+BATCH_LOOKAHEAD_DIVISOR = 4
 
 
 @dataclass(slots=True)
@@ -47,13 +51,18 @@ class JobInbox:
     """Admitted jobs and cancel requests waiting for the loop, plus the admission ledger."""
 
     def __init__(self, capacity: int) -> None:
-        self.capacity = capacity  # samples admitted at once (= the engine's max_num_seqs)
-        # what batch lines may fill: the rest is kept for interactive jobs
-        self.batch_capacity = capacity - capacity // BATCH_RESERVE_DIVISOR
+        self.capacity = capacity  # samples running at once (= the engine's max_num_seqs)
+        # what batch lines may fill with every other admitted sample
+        lookahead = max(1, capacity // BATCH_LOOKAHEAD_DIVISOR)
+        self.batch_capacity = capacity + lookahead
+        # the feeder claims once this much room is free (lines still wait in the engine),
+        # so one claim takes several lines
+        self.batch_claim_room = max(1, lookahead // 4)
         self._cv = threading.Condition()
         self._jobs: list[AdmittedJob] = []
         self._cancels = CancelRequests()
-        self._num_active_samples = 0  # admitted, not finished; counted against capacity
+        self._num_active_samples = 0  # admitted, not finished, both bands
+        self._num_interactive_samples = 0  # the interactive ones among them
         self._num_jobs = 0  # admitted, not finished (in the engine or about to be added)
         self._num_waiting_interactive = 0  # samples of interactive jobs blocked in admit
         self._lost: set[tuple[str, int]] = set()
@@ -70,22 +79,19 @@ class JobInbox:
         """
         need = job.num_samples
         batch = is_batch_priority(job.priority)
-        limit = self.batch_capacity if batch else self.capacity
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
             # NOTE: a job bigger than the whole capacity still runs, alone; a job cancelled
             # while it waits goes through at once (the loop ends it without running it).
             waiting = False
             try:
-                while self._admitting and self._num_active_samples > 0 and (
-                    self._num_active_samples + need > limit
-                    or (batch and self._num_waiting_interactive > 0)
-                ) and job.job_id not in self._cancels:
+                while self._admitting and self._must_wait(need, batch) \
+                        and job.job_id not in self._cancels:
                     remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
                         return False
                     if not batch and not waiting:
-                        waiting = True  # the batcher hands batch lines back for it
+                        waiting = True  # no batch line is admitted before it
                         self._num_waiting_interactive += need
                     self._cv.wait(remaining)
             finally:
@@ -94,20 +100,21 @@ class JobInbox:
             if not self._admitting:
                 return False
             self._num_active_samples += need
+            if not batch:
+                self._num_interactive_samples += need
             self._num_jobs += 1
             self._jobs.append(job)
             self._cv.notify_all()
         return True
 
     def wait_batch_room(self, timeout: float) -> int:
-        """Wait up to `timeout` seconds for spare room: how many one-sample batch lines
-        would be admitted now without waiting (0: none, or the group stops admitting).
-        The batch feeder asks before it claims, so it claims only what fits."""
+        """Wait up to `timeout` seconds for room for `batch_claim_room` one-sample batch
+        lines: how many would be admitted now without waiting (0: not that many, or the
+        group stops admitting). The batch feeder asks before it claims, so it claims only
+        what fits."""
         deadline = time.monotonic() + timeout
         with self._cv:
-            while self._admitting and self._num_active_samples > 0 and (
-                    self._num_active_samples + 1 > self.batch_capacity
-                    or self._num_waiting_interactive > 0):
+            while self._admitting and self._must_wait(self.batch_claim_room, True):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return 0
@@ -115,15 +122,6 @@ class JobInbox:
             if not self._admitting:
                 return 0
             return max(1, self.batch_capacity - self._num_active_samples)
-
-    def interactive_shortfall(self) -> int:
-        """Samples that interactive jobs waiting in `admit` lack beyond the free room (0:
-        none wait, or they fit): what the batcher should hand back from batch lines."""
-        with self._cv:
-            if not self._num_waiting_interactive:
-                return 0
-            free = self.capacity - self._num_active_samples
-            return max(0, self._num_waiting_interactive - free)
 
     def cancel(self, job_id: str) -> None:
         """Record a cancel request; it also releases `job_id` if it waits in `admit`."""
@@ -189,6 +187,8 @@ class JobInbox:
             return
         with self._cv:
             self._num_active_samples -= sum(job.num_samples for job in jobs)
+            self._num_interactive_samples -= sum(job.num_samples for job in jobs
+                                                 if not is_batch_priority(job.priority))
             self._num_jobs -= len(jobs)
             self._cv.notify_all()
 
@@ -196,8 +196,18 @@ class JobInbox:
         """The loop gave every job back (drain): nothing counts any more."""
         with self._cv:
             self._num_active_samples = 0
+            self._num_interactive_samples = 0
             self._num_jobs = 0
             self._cv.notify_all()
+
+    def _must_wait(self, need: int, batch: bool) -> bool:
+        """Whether a job of `need` samples in that band waits (under the lock)."""
+        if batch:
+            return self._num_active_samples > 0 and (
+                self._num_active_samples + need > self.batch_capacity
+                or self._num_waiting_interactive > 0)
+        return (self._num_interactive_samples > 0
+                and self._num_interactive_samples + need > self.capacity)
 
     def _has_work(self) -> bool:
         return bool(self._jobs) or self._cancels.has_new or bool(self._lost) or self._stopping

@@ -33,7 +33,7 @@ from typing import Protocol
 
 from tasks.protocol import EventType, JobEvent
 from tasks.streams.publish import EventFence
-from workers.job_rows import JobRequeue, JobResult
+from workers.job_rows import JobResult
 from workers.thread_names import name_this_thread
 
 logger = logging.getLogger(__name__)
@@ -67,8 +67,7 @@ class _Step:
 
     events: list[tuple[str, JobEvent]]
     fences: list[EventFence]  # fences[i] fences events[i]
-    # handed on once the events are stored: terminal rows, and jobs handed back
-    results: list[JobResult | JobRequeue]
+    results: list[JobResult]  # handed on once the events are stored: terminal rows
     handle: object | None  # None: not sent (the publisher thread sends it)
 
 
@@ -79,7 +78,7 @@ class StepPublisher:
     def __init__(
         self,
         sender: EventSender,
-        on_published: Callable[[JobResult | JobRequeue], None],
+        on_published: Callable[[JobResult], None],
         *,
         max_pending_steps: int = 4096,
     ) -> None:
@@ -105,7 +104,7 @@ class StepPublisher:
         return not self._direct
 
     def submit(self, events: list[tuple[str, JobEvent]], attempts: dict[str, int],
-               results: list[JobResult | JobRequeue]) -> None:
+               results: list[JobResult]) -> None:
         """From the batcher thread, right after a step. `attempts[job_id]` is the claim
         the job's events belong to."""
         if self._closed:

@@ -9,6 +9,13 @@ engine, which is what an interactive client's time to first token waits for. The
 background sequences lose that one step; they keep their KV blocks and their seats (they
 are not preempted), and their tokens are the same, only later.
 
+Seats: a foreground sequence that is ready while every seat is taken takes the seat of
+the last running background sequence (`seats_to_free`): that one is preempted by
+recompute (its full blocks stay in the prefix cache, so it mostly recomputes its last
+partial block when a seat frees) and waits at the front of the background band. So a
+group may fill every seat with background work and still start an interactive request
+at once.
+
 The decision is taken before the step is built (`defers_background`). Background
 sequences never starve: after `MAX_DEFERRED_IN_A_ROW` deferred steps (a long prompt in
 chunks, or prompts arriving every step) the next step carries them, and when a deferred
@@ -60,10 +67,32 @@ class PriorityBands:
         for seq in waiting:
             if self.is_background(seq):
                 return False
-            if seq.status in _READY or (seq.status == SequenceStatus.WAITING_FOR_GRAMMAR
-                                        and seq.grammar is not None and seq.grammar.is_ready):
+            if _is_ready(seq):
                 return can_admit(seq)
         return False
+
+    def seats_to_free(self, running: list[Sequence], waiting: list[Sequence],
+                      num_free_seats: int) -> list[Sequence]:
+        """The running background sequences to preempt so that every ready foreground
+        sequence waiting finds a seat: the last ones first (`running` and `waiting` are
+        sorted by priority)."""
+        if self.background_priority is None:
+            return []
+        victims: list[Sequence] = []
+        last = len(running) - 1
+        for seq in waiting:
+            if self.is_background(seq):
+                break
+            if not _is_ready(seq):
+                continue
+            if num_free_seats > 0:
+                num_free_seats -= 1
+                continue
+            if last < 0 or not self.is_background(running[last]):
+                break  # every seat holds foreground work: it waits
+            victims.append(running[last])
+            last -= 1
+        return victims
 
     def step_built(self, deferred: bool, scheduled: list[ScheduledSequence],
                    seqs: dict[int, Sequence]) -> None:
@@ -77,6 +106,12 @@ class PriorityBands:
         if not any(_is_prompt_chunk(s) and not self.is_background(seqs[s.seq_id])
                    for s in scheduled if s.seq_id in seqs):
             self._num_deferred_in_a_row = MAX_DEFERRED_IN_A_ROW
+
+
+def _is_ready(seq: Sequence) -> bool:
+    """Whether a waiting sequence could start this step (a seat and blocks given)."""
+    return seq.status in _READY or (seq.status == SequenceStatus.WAITING_FOR_GRAMMAR
+                                    and seq.grammar is not None and seq.grammar.is_ready)
 
 
 def _is_prompt_chunk(scheduled: ScheduledSequence) -> bool:

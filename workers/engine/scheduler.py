@@ -31,7 +31,8 @@ skipped the same way until its grammar is ready.
 
 Priority bands (`PriorityBands`, workers/engine/priority_bands.py): a step that carries a
 foreground sequence's prompt chunk leaves the running background-band sequences out (they
-keep their KV) and admits no waiting background one.
+keep their KV) and admits no waiting background one; a ready foreground sequence that
+finds every seat taken preempts the last running background sequence for its seat.
 """
 
 from __future__ import annotations
@@ -189,9 +190,16 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         preempted: list[int] = []
+        seated_out: list[int] = []  # background sequences preempted for foreground seats
         bs = self.block_size
         threshold = self.long_prefill_token_threshold
         bands = self.bands
+        if alone is None and self.waiting:
+            free_seats = self.max_num_seqs - len(self.running) - self.num_waiting_for_kvs
+            for victim in bands.seats_to_free(self.running, self.waiting, free_seats):
+                # NOTE: not in `preempted`: that stops admission, and these make room for it
+                self._preempt(victim)
+                seated_out.append(victim.seq_id)
         defer = alone is None and bands.defers_background(self.running, self.waiting,
                                                           self._can_admit)
         i = 0
@@ -323,7 +331,7 @@ class Scheduler:
         output = SchedulerOutput(
             scheduled=scheduled,
             num_batched_tokens=self.max_num_batched_tokens - budget,
-            preempted_seq_ids=preempted,
+            preempted_seq_ids=preempted + seated_out,
         )
         if connector is not None:
             connector.build_connector_meta(output)
