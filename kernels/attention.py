@@ -100,6 +100,11 @@ class DecodeBatch:
                         for members in groups]
 
 
+# a chunk joins the decodes only in a context this short (each of its rows lists its
+# blocks: rows x blocks table entries)
+CHUNK_AS_DECODES_MAX_CONTEXT = 1024
+
+
 @dataclass(slots=True)
 class AttentionMetadata:
     """Everything a layer's attention needs for one step; built once, read by every layer."""
@@ -112,10 +117,17 @@ class AttentionMetadata:
 
 
 def build_attention_metadata(
-    kv_cache: torch.Tensor, spans: list[tuple[int, int, list[int]]]
+    kv_cache: torch.Tensor, spans: list[tuple[int, int, list[int]]],
+    chunks_as_decodes: int = 0,
 ) -> AttentionMetadata:
     """Metadata for one step. `spans` holds, per sequence in flattened order,
-    `(start_pos, num_tokens, block_table)`; block tables must cover the new tokens."""
+    `(start_pos, num_tokens, block_table)`; block tables must cover the new tokens.
+
+    `chunks_as_decodes`: a prompt chunk of at most this many tokens, in a context of at
+    most `CHUNK_AS_DECODES_MAX_CONTEXT`, joins the decodes, one query per row (query i
+    attends to the context up to its own position). A backend whose decode reads the
+    cache in place (the native CPU one) then attends to a mixed step in one call per
+    layer, where each chunk would cost an attention call and a gather of its own."""
     block_size = kv_cache.shape[3]
     dev = kv_cache.device
     slot_blocks: list[int] = []
@@ -141,7 +153,14 @@ def build_attention_metadata(
         for pos in range(start, end):
             slot_blocks.append(table[pos // block_size])
             slot_offsets.append(pos % block_size)
-        if start == 0:
+        if n <= chunks_as_decodes and end <= CHUNK_AS_DECODES_MAX_CONTEXT:
+            for pos in range(start, end):
+                num_blocks = pos // block_size + 1
+                dec_rows.append(row + pos - start)
+                dec_num_blocks.append(num_blocks)
+                dec_blocks.extend(table[:num_blocks])
+                dec_lens.append(pos + 1)
+        elif start == 0:
             last = chunks[-1] if chunks else None
             if (last is not None and last.block_table is None and last.num_tokens == n
                     and last.token_start + last.num_seqs * n == row):

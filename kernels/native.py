@@ -316,6 +316,11 @@ def paged_attention(q, k, v, k_cache, v_cache, meta) -> torch.Tensor:
     return attention.paged_attention(q, k, v, k_cache, v_cache, meta, decode=_decode)
 
 
+# prompt chunks of at most this many tokens go to the decode kernel, one row per query
+# (kernels.attention.build_attention_metadata): each row reads its keys again, which for
+# short chunks costs less than an attention call and a gather per chunk and layer
+CHUNK_AS_DECODES_TOKENS = 64
+
 # the kernels `register` puts in `kernels.dispatch` for the CPU
 STEP_KERNELS = {
     "rms_norm": rms_norm,

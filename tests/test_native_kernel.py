@@ -279,6 +279,43 @@ def test_decode_attention_and_the_kv_store_equal_the_references(dtype):
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_short_prompt_chunks_attended_as_decode_rows_equal_the_chunk_path(dtype):
+    """`chunks_as_decodes`: short chunks (a fresh prompt, a chunk after a cached prefix)
+    join the decodes one query per row; a longer one stays a chunk. Native and reference
+    decodes of those rows agree with the chunk path's attention."""
+    import random
+
+    from kernels import attention
+    from kernels.attention import build_attention_metadata
+
+    gen = torch.Generator().manual_seed(5)
+    block_size, layer = 4, 0
+    kv_cache = torch.randn(80, 2, 1, block_size, 2, 16, generator=gen).to(dtype)
+    free = list(range(80))
+    random.Random(5).shuffle(free)
+    shapes = [(0, 6), (9, 3), (13, 1), (0, 20), (5, 8), (40, 1)]
+    spans = [(start, n, [free.pop() for _ in range(-(-(start + n) // block_size))])
+             for start, n in shapes]
+    num_tokens = sum(n for _, n in shapes)
+    q = torch.randn(num_tokens, 8, 16, generator=gen).to(dtype)
+    k = torch.randn(num_tokens, 2, 16, generator=gen).to(dtype)
+    v = torch.randn(num_tokens, 2, 16, generator=gen).to(dtype)
+    k_cache, v_cache = kv_cache[:, 0, layer], kv_cache[:, 1, layer]
+    as_chunks = build_attention_metadata(kv_cache, spans)
+    as_rows = build_attention_metadata(kv_cache, spans, chunks_as_decodes=8)
+    assert [(c.token_start, c.num_tokens) for c in as_rows.chunks] == [(10, 20)]
+    assert as_rows.decodes.context_lens == [1, 2, 3, 4, 5, 6, 10, 11, 12, 14,
+                                            6, 7, 8, 9, 10, 11, 12, 13, 41]
+    attention.store_kv(k, v, k_cache, v_cache, as_chunks.slot_blocks, as_chunks.slot_offsets)
+    want = attention.paged_attention(q, k, v, k_cache, v_cache, as_chunks).float()
+    tolerance = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else \
+        {"rtol": 0.02, "atol": 0.02}
+    for attend in (native.paged_attention, attention.paged_attention):
+        got = attend(q, k, v, k_cache, v_cache, as_rows).float()
+        assert torch.allclose(got, want, **tolerance), (got - want).abs().max()
+
+
 def test_inputs_the_step_ops_do_not_take_go_to_the_references():
     """fp16 (no native form) and mixed dtypes give the reference's results."""
     from kernels import activation, norms

@@ -94,9 +94,13 @@ class ModelRunner:
         from kernels import dispatch
 
         self.step_kernels = "reference"
+        # prompt chunks this short are attended to as decode rows (see
+        # build_attention_metadata): with the native kernels, one call per layer
+        self.chunks_as_decodes = 0
         if self.device.type == "cpu":
             if step_kernels_setting() == "native" and native.register():
                 self.step_kernels = "native"
+                self.chunks_as_decodes = native.CHUNK_AS_DECODES_TOKENS
             else:
                 native.unregister()
         dispatch.log_choices(self.device.type)
@@ -258,7 +262,7 @@ class ModelRunner:
             input_ids.extend(seq.token_ids)
             positions.extend(range(start, start + n))
             spans.append((start, n, seq.block_table))
-        meta = build_attention_metadata(self.kv_cache, spans)
+        meta = build_attention_metadata(self.kv_cache, spans, self.chunks_as_decodes)
         dev = self.device
         return (torch.tensor(input_ids, dtype=torch.int64, device=dev),
                 torch.tensor(positions, dtype=torch.int64, device=dev), meta)
