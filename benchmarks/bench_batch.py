@@ -40,6 +40,9 @@ from bench_services import add_service_args  # noqa: E402
 
 from tasks.settings import Settings  # noqa: E402
 
+# how often the client polls a running batch (its end is seen this late at most)
+POLL_SECONDS = 0.1
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -135,15 +138,17 @@ def run_busy(client: Any, args: argparse.Namespace, services: Services) -> dict[
                                   completion_window="24h")
     created = time.perf_counter()
     while batch.status == "validating":  # its lines become jobs off the request
-        time.sleep(0.1)
+        time.sleep(POLL_SECONDS)
         batch = client.batches.retrieve(batch.id)
     validated = time.perf_counter()
     group_before = group_figures(services)
     thread = threading.Thread(target=interactive, daemon=True)
     thread.start()
+    seen = {}  # status -> seconds after create when a poll first saw it
     while batch.status not in ("completed", "failed", "expired", "cancelled"):
-        time.sleep(0.5)
+        time.sleep(POLL_SECONDS)
         batch = client.batches.retrieve(batch.id)
+        seen.setdefault(batch.status, round(time.perf_counter() - started, 2))
     elapsed = time.perf_counter() - started
     cpu_after = thread_cpu(worker_pid)
     group_after = group_figures(services)
@@ -156,7 +161,7 @@ def run_busy(client: Any, args: argparse.Namespace, services: Services) -> dict[
     return {"status": batch.status, "completed": batch.request_counts.completed,
             "failed": batch.request_counts.failed, "tokens": tokens, "seconds": elapsed,
             "create_seconds": created - started, "validate_seconds": validated - started,
-            "tokens_per_s": tokens / elapsed,
+            "tokens_per_s": tokens / elapsed, "status_seen_at": seen,
             "worker_thread_cpu_seconds": {name: round(cpu - cpu_before.get(name, 0.0), 2)
                                           for name, cpu in cpu_after.items()
                                           if cpu - cpu_before.get(name, 0.0) >= 0.01},

@@ -98,6 +98,13 @@ def cancel_channel(settings: Settings) -> str:
     return settings.key("cancel")
 
 
+def batch_lines_channel(settings: Settings, model: str) -> str:
+    """Where a web process announces that a batch's lines of `model` are queued (the
+    message is the batch id): the model's batch feeders claim at once instead of at
+    their next look at the table."""
+    return settings.key("model", model, "batch-lines")
+
+
 def cancel_flag_key(settings: Settings, job_id: str) -> str:
     """Set (with a TTL) when a running job's cancel was requested; the batcher checks it."""
     return settings.key("job", job_id, "cancel")

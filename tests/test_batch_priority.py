@@ -170,3 +170,24 @@ def test_interactive_requests_take_seats_from_running_batch_lines(
         for _, fields in redis_client.xrange(events_key(service_settings, str(row.id))))]
     assert not restarted, "a batch line was handed back"
     assert all(row.attempts == 1 for row in rows)
+
+
+@pytest.mark.integration
+def test_the_listener_wakes_the_feeder_when_a_batch_of_its_model_is_announced(
+        service_settings, redis_client):
+    from tasks.protocol import batch_lines_channel, cancel_channel
+    from workers.cancel_listener import CancelListener
+
+    cancels: list[str] = []
+    wakes: list[int] = []
+    listener = CancelListener(redis_client, service_settings, cancels.append, model="tiny",
+                              on_batch_lines=lambda: wakes.append(1))
+    listener.start()
+    try:
+        redis_client.publish(batch_lines_channel(service_settings, "other"), "batch_x")
+        redis_client.publish(batch_lines_channel(service_settings, "tiny"), "batch_1")
+        redis_client.publish(cancel_channel(service_settings), "job-1")
+        wait_for(lambda: cancels == ["job-1"], 5, "the cancel")
+        assert wakes == [1]  # its own model's announcement only, and no cancel from it
+    finally:
+        listener.stop()

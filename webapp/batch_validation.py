@@ -46,7 +46,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from tasks.batches import finalize_if_done, validation_unclaimed
 from tasks.db import update_count, utcnow
 from tasks.files import read_file_bytes
-from tasks.models import Batch, BatchStatus, File, Job
+from tasks.models import Batch, BatchStatus, File, Job, JobStatus
+from tasks.protocol import batch_lines_channel
 from webapp.batch_lines import KIND_OF_ENDPOINT, file_problem, line_job, parse_lines
 from webapp.errors import APIError
 from webapp.services import Services
@@ -175,8 +176,21 @@ def validate_batch(svc: Services, batch_id: str, token: str) -> bool:
         "in_progress_at": utcnow()}, jobs)
     if written:
         logger.info("batch %s in progress: %d requests to %s", batch_id, len(jobs), endpoint)
+        _announce(svc, batch_id, {job.model for job in jobs
+                                  if job.status == JobStatus.QUEUED.value})
         finalize_if_done(svc.session_factory, batch_id)  # every line may have failed already
     return written
+
+
+def _announce(svc: Services, batch_id: str, models: set[str]) -> None:
+    """Wake the feeders of `models`: the lines are queued (best effort: a feeder that
+    misses it finds them at its next look at the table)."""
+    for model in models:
+        try:
+            svc.redis.publish(batch_lines_channel(svc.settings, model), batch_id)
+        except Exception:
+            logger.warning("could not announce batch %s to the workers of %s", batch_id,
+                           model, exc_info=True)
 
 
 def _server_problem(svc: Services, batch_id: str, token: str, attempts: int, index: int,

@@ -23,7 +23,9 @@ from workers.thread_names import name_this_thread
 
 logger = logging.getLogger(__name__)
 
-IDLE_POLL_SECONDS = 0.5  # between looks at the table while no batch line is queued
+# between looks at the table while no batch line is queued (a web process announces a
+# validated batch, `wake`, so this only bounds how late a requeued line is seen)
+IDLE_POLL_SECONDS = 0.5
 ROOM_WAIT_SECONDS = 1.0  # one wait for spare room (the stop flag is checked between)
 ERROR_BACKOFF_SECONDS = 2.0  # after a failed claim (Postgres away)
 NO_ROOM_PAUSE_SECONDS = 0.05
@@ -51,6 +53,7 @@ class BatchFeeder:
         self.model = model
         self.num_claimed = 0
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set: batch lines were announced
         self._thread = threading.Thread(target=self._run, name="llmq-batch-feeder",
                                         daemon=True)
 
@@ -59,6 +62,11 @@ class BatchFeeder:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
+
+    def wake(self) -> None:
+        """Batch lines of the model were queued: look at the table now."""
+        self._wake.set()
 
     def _run(self) -> None:
         name_this_thread()
@@ -68,6 +76,7 @@ class BatchFeeder:
                 # NOTE: also 0 at once while the group stops admitting (drain, trip)
                 self._stop.wait(NO_ROOM_PAUSE_SECONDS)
                 continue
+            self._wake.clear()  # an announcement from here on wakes the wait below
             try:
                 outcomes = self.admission.run_next_batch_jobs(
                     self.model, min(room, MAX_CLAIM_BATCH))
@@ -81,5 +90,5 @@ class BatchFeeder:
                 self._stop.wait(ERROR_BACKOFF_SECONDS)
                 continue
             if not outcomes:
-                self._stop.wait(IDLE_POLL_SECONDS)
+                self._wake.wait(IDLE_POLL_SECONDS)
             self.num_claimed += outcomes.count(GenerateOutcome.ADMITTED)

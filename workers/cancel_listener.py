@@ -2,6 +2,9 @@
 (after setting the job's cancel flag key); this thread hands every id to the batcher,
 which applies it between steps if the job is its own. The flag key covers the window
 before a job reaches the batcher: `generate` checks it at admission.
+
+The same connection listens for the model's batch lines (`batch_lines_channel`): a web
+process announces a validated batch there, and the listener wakes the batch feeder.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from tasks.protocol import cancel_channel
+from tasks.protocol import batch_lines_channel, cancel_channel
 from tasks.settings import Settings
 from workers.thread_names import name_this_thread
 
@@ -36,13 +39,18 @@ class PubSubClient(Protocol):
 
 
 class CancelListener:
-    """A daemon thread subscribed to `cancel_channel`; reconnects on Redis errors."""
+    """A daemon thread subscribed to `cancel_channel` (and, given a model and
+    `on_batch_lines`, to its `batch_lines_channel`); reconnects on Redis errors."""
 
     def __init__(self, redis: PubSubClient, settings: Settings,
-                 on_cancel: Callable[[str], None]) -> None:
+                 on_cancel: Callable[[str], None], *, model: str | None = None,
+                 on_batch_lines: Callable[[], None] | None = None) -> None:
         self.redis = redis
         self.settings = settings
         self.on_cancel = on_cancel
+        self.batch_channel = (batch_lines_channel(settings, model)
+                              if model is not None and on_batch_lines is not None else None)
+        self.on_batch_lines = on_batch_lines
         self._stop = threading.Event()
         self._subscribed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="llmq-cancel-listener",
@@ -61,19 +69,28 @@ class CancelListener:
 
     def _run(self) -> None:
         name_this_thread()
-        channel = cancel_channel(self.settings)
+        channels = [cancel_channel(self.settings)]
+        if self.batch_channel is not None:
+            channels.append(self.batch_channel)
         backoff = 0.1
         while not self._stop.is_set():
             pubsub = self.redis.pubsub()
             try:
-                pubsub.subscribe(channel)
+                pubsub.subscribe(*channels)
+                confirmed = 0
                 while not self._stop.is_set():
                     message = pubsub.get_message(timeout=0.5)
                     if message is None:
                         continue
                     if message.get("type") == "subscribe":
-                        self._subscribed.set()  # confirmed: later publishes reach us
+                        confirmed += 1
+                        if confirmed == len(channels):
+                            self._subscribed.set()  # confirmed: later publishes reach us
                     if message.get("type") != "message":
+                        continue
+                    if self.on_batch_lines is not None and _text(
+                            message.get("channel")) == self.batch_channel:
+                        self.on_batch_lines()
                         continue
                     data = message["data"]
                     job_id = data.decode() if isinstance(data, bytes) else str(data)
@@ -90,3 +107,7 @@ class CancelListener:
                     pubsub.close()
                 except Exception:
                     pass
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -125,8 +125,10 @@ class GroupRuntime:
                                fault_inject_step_failures=s.fault_inject_step_failures)
         self.admission = JobAdmission(s, session_factory, self.redis, self.batcher,
                                       self.writer, self.group_id, self.send_generate)
-        self.cancels = CancelListener(self.redis, s, self.batcher.cancel)
         self.batch_feeder = BatchFeeder(self.admission, self.batcher, self.model_name)
+        self.cancels = CancelListener(self.redis, s, self.batcher.cancel,
+                                      model=self.model_name,
+                                      on_batch_lines=self.batch_feeder.wake)
         runner = self.engine.runner
         topology = GroupTopology(
             device_kind=group.kind.value, devices=group.device_names, tp_size=tp,
