@@ -259,3 +259,16 @@ def test_a_model_that_cannot_load_defers_then_fails_the_batch_not_its_lines(
 def _attempts(session_factory, batch_id: str) -> int:
     with session_factory() as session:
         return session.get(Batch, batch_id).validation_attempts
+
+
+def test_prompts_encoded_together_equal_each_encoded_alone(tiny_qwen3_dir):
+    """A batch's prompts go through the tokenizer in one call (webapp/batch_lines.py):
+    the same token ids as one call per prompt, with and without special tokens."""
+    from tasks.settings import Settings
+    from webapp.model_registry import ModelRegistry
+
+    model = ModelRegistry(Settings(models={"tiny": str(tiny_qwen3_dir)})).get("tiny")
+    texts = ["", "hello", "hello world " * 40, "üñí ☃ 你好", "<|im_start|>user\nhi"]
+    assert model.encode_many(texts, chat=False) == [model.encode(t) for t in texts]
+    assert model.encode_many(texts, chat=True) == [model.encode_chat(t) for t in texts]
+    assert model.encode_many([], chat=False) == []

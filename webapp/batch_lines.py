@@ -25,8 +25,9 @@ from tasks.models import Job, JobErrorKind, JobKind, JobStatus
 from tasks.schema import pin_seed
 from webapp.errors import APIError
 from webapp.groups import context_len
-from webapp.jobs import served_model, tokenize
-from webapp.openai_format import parse_openai_request
+from webapp.jobs import prompt_text, served_model, tokenize
+from webapp.model_registry import ServedModel
+from webapp.openai_format import OpenAIRequest, parse_openai_request
 from webapp.services import Services
 
 KIND_OF_ENDPOINT = {"/v1/completions": JobKind.COMPLETION,
@@ -86,33 +87,83 @@ def file_problem(code: str, message: str) -> dict[str, Any]:
     return {"code": code, "message": message, "param": None, "line": None}
 
 
-def line_job(svc: Services, kind: JobKind, index: int, line: BatchInputLine,
-             api_key_id: uuid.UUID | None, batch_id: str, now: datetime) -> Job:
-    """The job of one valid line: queued, or failed when the served model refuses its
-    body (the error file then answers it with a 400, as the direct request would).
+class LineServerError(Exception):
+    """Line `index` could not be validated for a reason of the server's (a 5xx APIError:
+    the served model cannot load its tokenizer): not the line's fault."""
 
-    A 5xx APIError (the served model cannot load its tokenizer) is the server's problem,
-    not the line's: it propagates, and the batch is validated again later."""
-    job = Job(id=uuid.uuid4(), api_key_id=api_key_id, batch_id=batch_id, custom_id=line.custom_id,
-              batch_index=index, kind=kind.value, priority=BATCH_PRIORITY, attempts=0,
-              created_at=now)
-    try:
-        _fill_job(svc, kind, line.body, job)
-    except APIError as exc:
-        if exc.status >= 500:
-            raise
-        model = line.body.get("model")
-        job.model = model[:200] if isinstance(model, str) else ""
-        job.params = job.params or {}
-        job.status = JobStatus.FAILED.value
-        job.finish_reason = "error"
-        job.error = exc.message
-        job.error_kind = JobErrorKind.INVALID_REQUEST.value
-        job.finished_at = now
-    return job
+    def __init__(self, index: int, error: APIError) -> None:
+        super().__init__(error.message)
+        self.index = index
+        self.error = error
 
 
-def _fill_job(svc: Services, kind: JobKind, body: dict[str, Any], job: Job) -> None:
+def line_jobs(svc: Services, kind: JobKind, first_index: int, lines: list[BatchInputLine],
+              api_key_id: uuid.UUID | None, batch_id: str, now: datetime) -> list[Job]:
+    """The jobs of valid lines (`first_index` is the first one's index in the batch):
+    queued, or failed when the served model refuses a body (the error file then answers
+    it with a 400, as the direct request would). The prompts of each model are encoded in
+    one tokenizer call.
+
+    Raises LineServerError for a problem of the server's, not a line's: the batch is
+    validated again later."""
+    jobs: list[Job] = []
+    parsed: list[tuple[Job, OpenAIRequest, ServedModel, str | None]] = []
+    for index, line in enumerate(lines, start=first_index):
+        job = Job(id=uuid.uuid4(), api_key_id=api_key_id, batch_id=batch_id,
+                  custom_id=line.custom_id, batch_index=index, kind=kind.value,
+                  priority=BATCH_PRIORITY, attempts=0, created_at=now)
+        jobs.append(job)
+        try:
+            req = _line_request(svc, kind, line.body)
+            model = served_model(req.job.model)
+            parsed.append((job, req, model, prompt_text(model, req.job)))
+        except APIError as exc:
+            _refused(job, index, line, exc, now)
+    token_ids = _encode_all([(model, text, req.job.messages is not None)
+                             for _, req, model, text in parsed])
+    for (job, req, model, text), ids in zip(parsed, token_ids):
+        try:
+            _fill_job(model, req, job, (text, ids if ids is not None else
+                                        list(req.job.prompt_token_ids or [])))
+        except APIError as exc:
+            _refused(job, job.batch_index, lines[job.batch_index - first_index], exc, now)
+    return jobs
+
+
+def _refused(job: Job, index: int, line: BatchInputLine, exc: APIError,
+             now: datetime) -> None:
+    """`job` fails from the start with the refusal `exc` (a 4xx); a 5xx is the server's
+    problem and raises LineServerError."""
+    if exc.status >= 500:
+        raise LineServerError(index, exc)
+    model = line.body.get("model")
+    job.model = model[:200] if isinstance(model, str) else ""
+    job.params = job.params or {}
+    job.status = JobStatus.FAILED.value
+    job.finish_reason = "error"
+    job.error = exc.message
+    job.error_kind = JobErrorKind.INVALID_REQUEST.value
+    job.finished_at = now
+
+
+def _encode_all(prompts: list[tuple[ServedModel, str | None, bool]]
+                ) -> list[list[int] | None]:
+    """Token ids of every (model, text, is a chat): one tokenizer call per model and kind
+    of prompt; None where there is no text (token ids given)."""
+    out: list[list[int] | None] = [None] * len(prompts)
+    groups: dict[tuple[int, bool], list[int]] = {}
+    for i, (model, text, chat) in enumerate(prompts):
+        if text is not None:
+            groups.setdefault((id(model), chat), []).append(i)
+    for (_, chat), members in groups.items():
+        model = prompts[members[0]][0]
+        encoded = model.encode_many([prompts[i][1] or "" for i in members], chat=chat)
+        for i, ids in zip(members, encoded):
+            out[i] = ids
+    return out
+
+
+def _line_request(svc: Services, kind: JobKind, body: dict[str, Any]) -> OpenAIRequest:
     """The request of a line's body, as `webapp.openai_api` reads a direct one; raises
     APIError (4xx) for what it refuses."""
     try:
@@ -128,14 +179,20 @@ def _fill_job(svc: Services, kind: JobKind, body: dict[str, Any], job: Job) -> N
         if asked:
             raise APIError(400, "invalid_value", f"{name} is not supported in a batch "
                            "request; send it as a direct request", name)
-    model = served_model(req.job.model)
-    prompt_text, prompt_token_ids = tokenize(model, req.job)
+    return req
+
+
+def _fill_job(model: ServedModel, req: OpenAIRequest, job: Job,
+              encoded: tuple[str | None, list[int]]) -> None:
+    """`job` queued with the request's prompt (`encoded`: its text and token ids),
+    checked against the served model; raises APIError (4xx) for what it refuses."""
+    prompt, prompt_token_ids = tokenize(model, req.job, encoded=encoded)
     if req.fill_max_tokens:
         req.job.params.max_tokens = max(req.job.params.min_tokens, 1,
                                         context_len(model) - len(prompt_token_ids))
     pin_seed(req.job.params)
     job.model = req.job.model
-    job.prompt = prompt_text
+    job.prompt = prompt
     job.messages = req.job.messages
     job.prompt_token_ids = prompt_token_ids
     job.params = req.job.params_dict()

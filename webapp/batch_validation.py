@@ -48,7 +48,13 @@ from tasks.db import update_count, utcnow
 from tasks.files import read_file_bytes
 from tasks.models import Batch, BatchStatus, File, Job, JobStatus
 from tasks.protocol import batch_lines_channel
-from webapp.batch_lines import KIND_OF_ENDPOINT, file_problem, line_job, parse_lines
+from webapp.batch_lines import (
+    KIND_OF_ENDPOINT,
+    LineServerError,
+    file_problem,
+    line_jobs,
+    parse_lines,
+)
 from webapp.errors import APIError
 from webapp.services import Services
 
@@ -57,6 +63,9 @@ logger = logging.getLogger(__name__)
 EXTENSION_KEY = "llmq.batch_validator"
 POLL_SECONDS = 2.0  # how often an idle validator looks for a batch nobody validates
 MAX_REPORTED_ERRORS = 1000  # validation errors kept in errors.data
+# lines turned into jobs at a time (their prompts encoded in one call); the claim's lease
+# is renewed between passes
+LINES_PER_PASS = 1000
 
 
 class LostClaim(Exception):
@@ -163,14 +172,15 @@ def validate_batch(svc: Services, batch_id: str, token: str) -> bool:
     renew_every = lease / 3
     renew_at = time.monotonic() + renew_every
     jobs: list[Job] = []
-    for index, line in enumerate(lines):
+    for first in range(0, len(lines), LINES_PER_PASS):
         if time.monotonic() > renew_at:
             renew_claim(svc.session_factory, batch_id, token, lease)
             renew_at = time.monotonic() + renew_every
         try:
-            jobs.append(line_job(svc, kind, index, line, api_key_id, batch_id, now))
-        except APIError as exc:  # 5xx: the server's problem, not the line's
-            return _server_problem(svc, batch_id, token, attempts, index, exc)
+            jobs += line_jobs(svc, kind, first, lines[first:first + LINES_PER_PASS],
+                              api_key_id, batch_id, now)
+        except LineServerError as exc:  # the server's problem, not the line's
+            return _server_problem(svc, batch_id, token, attempts, exc.index, exc.error)
     written = commit_validation(svc.session_factory, batch_id, token, {
         "status": BatchStatus.IN_PROGRESS.value, "num_total": len(jobs),
         "in_progress_at": utcnow()}, jobs)

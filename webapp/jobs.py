@@ -360,22 +360,38 @@ def served_model(name: str) -> ServedModel:
         raise APIError(503, "model_unavailable", str(exc), "model") from None
 
 
-def tokenize(model: ServedModel, job_request: JobRequest,
-             tools: list[dict[str, Any]] | None = None) -> tuple[str | None, list[int]]:
-    """(prompt text, prompt token ids), the job checked against the served model: its
-    context length, vocabulary and sampling limits (400 naming the field otherwise).
-    `tools` (OpenAI tool objects) go into a chat's prompt."""
+def prompt_text(model: ServedModel, job_request: JobRequest,
+                tools: list[dict[str, Any]] | None = None) -> str | None:
+    """The text a job's prompt is encoded from: a chat rendered with the model's template
+    (and `tools`, OpenAI tool objects), a completion's prompt; None for token ids."""
     if job_request.messages is not None:
         try:
-            text: str | None = model.render_chat(job_request.messages, tools)
+            return model.render_chat(job_request.messages, tools)
         except ValueError as exc:
             raise APIError(400, "invalid_messages", str(exc), "messages") from None
-        token_ids = model.encode_chat(text or "")
-    elif job_request.prompt_token_ids is not None:
-        text, token_ids = None, job_request.prompt_token_ids
+    if job_request.prompt_token_ids is not None:
+        return None
+    return job_request.prompt or ""
+
+
+def tokenize(model: ServedModel, job_request: JobRequest,
+             tools: list[dict[str, Any]] | None = None, *,
+             encoded: tuple[str | None, list[int]] | None = None
+             ) -> tuple[str | None, list[int]]:
+    """(prompt text, prompt token ids), the job checked against the served model: its
+    context length, vocabulary and sampling limits (400 naming the field otherwise).
+    `tools` (OpenAI tool objects) go into a chat's prompt. `encoded`: the text and ids
+    already made (`prompt_text`, then the model's encode; a batch encodes many at once)."""
+    if encoded is not None:
+        text, token_ids = encoded
     else:
-        text = job_request.prompt
-        token_ids = model.encode(text or "")
+        text = prompt_text(model, job_request, tools)
+        if text is None:
+            token_ids = list(job_request.prompt_token_ids or [])
+        elif job_request.messages is not None:
+            token_ids = model.encode_chat(text)
+        else:
+            token_ids = model.encode(text)
     max_tokens = job_request.params.max_tokens
     limit = context_len(model)
     if len(token_ids) + max_tokens > limit:

@@ -81,6 +81,12 @@ class ServedModel:
         """Token ids of a rendered chat (the template already holds the special tokens)."""
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
+    def encode_many(self, texts: list[str], *, chat: bool) -> list[list[int]]:
+        """`encode` (or, `chat`, `encode_chat`) of every text, in one tokenizer call."""
+        if not texts:
+            return []
+        return [list(ids) for ids in self.tokenizer(texts, add_special_tokens=not chat).input_ids]
+
 
 def read_max_model_len(path: str, limit: int | None = None) -> int:
     """The context length from the checkpoint's config.json, capped by `limit` if given."""
