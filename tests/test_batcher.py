@@ -11,9 +11,10 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from sqlalchemy import update
 
 from tasks.db import utcnow
-from tasks.models import JobStatus
+from tasks.models import Job, JobStatus
 from tasks.params import SamplingParams
 from tasks.protocol import EventType, JobEvent, cancel_flag_key
 from tasks.streams.publish import EventPublisher
@@ -382,3 +383,32 @@ def test_batch_lines_are_claimed_oldest_batch_first_in_line_order(group, session
     for job_id in claimed:
         wait_terminal(session_factory, job_id)
     assert read_job(session_factory, newer[1]).status == JobStatus.QUEUED.value
+
+
+def test_a_message_claims_queued_jobs_of_the_model_ahead_up_to_the_room(
+        group, session_factory, redis_client):
+    """A claim takes the message's job and other queued interactive jobs of the group's
+    model, as many as fit (capacity 4: three more); their messages are then skipped."""
+    model = f"ahead-{uuid.uuid4().hex[:6]}"
+    admission = JobAdmission(group.settings, session_factory, redis_client, group.batcher,
+                             group.writer, group.group_id, group.sent.append, model=model)
+    group.engine.running.clear()  # hold every admitted job in the engine
+    jobs = [insert_job(session_factory, model=model, params={"max_tokens": 2})
+            for _ in range(5)]
+    other = insert_job(session_factory, model=f"{model}-other", params={"max_tokens": 2})
+    assert admission.run(jobs[0]) is GenerateOutcome.ADMITTED
+    statuses = [read_job(session_factory, job_id).status for job_id in jobs]
+    assert statuses.count(JobStatus.RUNNING.value) == 4, statuses
+    assert read_job(session_factory, other).status == JobStatus.QUEUED.value
+    claimed_ahead = [job_id for job_id in jobs[1:]
+                     if read_job(session_factory, job_id).status == JobStatus.RUNNING.value]
+    assert admission.run(claimed_ahead[0]) is GenerateOutcome.SKIPPED
+    group.engine.running.set()
+    for job_id in jobs:  # the one left queued runs on its own message
+        if read_job(session_factory, job_id).status == JobStatus.QUEUED.value:
+            assert admission.run(job_id) is GenerateOutcome.ADMITTED
+    assert all(wait_terminal(session_factory, job_id).status == JobStatus.SUCCEEDED.value
+               and read_job(session_factory, job_id).attempts == 1 for job_id in jobs)
+    with session_factory.begin() as session:  # not this group's model: leave no row behind
+        session.execute(update(Job).where(Job.id == uuid.UUID(other)).values(
+            status=JobStatus.CANCELLED.value))

@@ -11,6 +11,7 @@ import sqlalchemy.exc
 from flask import Blueprint, Response, jsonify, request
 from pydantic import ValidationError
 from sqlalchemy import delete, func, select, update
+from sqlalchemy.orm import Session
 
 from tasks.api.fields import StructuredOutputsRequest
 from tasks.api.jobs import JOB_STATUSES, JobListQuery
@@ -245,7 +246,6 @@ def submit_job(job_request: JobRequest, prompt_text: str | None, prompt_token_id
         if existing is not None:
             return _same_request(existing, job_request, prompt_token_ids,
                                  idempotency_key), False
-    _check_queue_room(svc, job_request.model)
     seeded = job_request.params.seed is not None
     pin_seed(job_request.params)
     job = Job(
@@ -258,6 +258,7 @@ def submit_job(job_request: JobRequest, prompt_text: str | None, prompt_token_id
     )
     try:
         with svc.session_factory.begin() as session:
+            _check_queue_room(svc, session, job_request.model)
             session.add(job)
     except sqlalchemy.exc.IntegrityError:
         # NOTE: a concurrent request with the same Idempotency-Key won the insert.
@@ -282,8 +283,9 @@ def submit_job(job_request: JobRequest, prompt_text: str | None, prompt_token_id
     return job, True
 
 
-def _check_queue_room(svc: Services, model: str) -> None:
-    """A 429 when `model` has `max_queued_jobs` queued jobs (0: no limit).
+def _check_queue_room(svc: Services, session: Session, model: str) -> None:
+    """A 429 when `model` has `max_queued_jobs` queued jobs (0: no limit); asked in the
+    transaction that inserts the job (one connection checkout for both).
 
     NOTE: counts at most limit + 1 rows (a LIMIT in a subquery) through the status index,
     so a full queue costs the same as a short one. Concurrent submissions may pass the
@@ -296,8 +298,7 @@ def _check_queue_room(svc: Services, model: str) -> None:
     queued = (select(Job.id).where(Job.status == JobStatus.QUEUED.value, Job.model == model,
                                    Job.batch_id.is_(None))
               .limit(limit + 1).subquery())
-    with svc.session_factory() as session:
-        count = session.scalar(select(func.count()).select_from(queued)) or 0
+    count = session.scalar(select(func.count()).select_from(queued)) or 0
     if count >= limit:
         raise APIError(429, "queue_full", f"model {model!r} has {limit} jobs queued, the "
                        "limit (LLMQ_MAX_QUEUED_JOBS); retry later",

@@ -6,6 +6,13 @@ sets `attempts = attempts + 1` (attempts counts claims; lease reclaim does not a
 the worker (device group), `started_at` and a first lease. Generation itself runs in the
 batcher thread: this returns as soon as the batcher has taken the job.
 
+Claims ahead: given the group's model, the statement that claims the message's job also
+claims other queued interactive jobs of the model, as many as the group has room for (up
+to `MAX_CLAIM_AHEAD`, highest priority and oldest first, SKIP LOCKED), and hands them
+over too; their own messages then find them claimed and are skipped. So a burst of
+submissions reaches the engine at the pace of the claims, not of the broker's deliveries
+to the task threads.
+
 Batch lines have no message: `run_next_batch_jobs` claims queued ones straight from the
 table for the group's batch feeder (workers/batch_feeder.py), oldest batch first and in line
 order, with the same claim and hand-over.
@@ -22,7 +29,7 @@ from datetime import UTC, timedelta
 from enum import Enum
 from typing import Any, Protocol
 
-from sqlalchemy import ColumnElement, Row, select, update
+from sqlalchemy import ColumnElement, Row, or_, select, update
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -57,6 +64,14 @@ class JobTaker(Protocol):
     def admit(self, job: AdmittedJob, timeout: float | None = None) -> bool:
         """False when the job was not taken (the group is draining)."""
         ...
+
+    def interactive_room(self) -> int:
+        """One-sample interactive jobs that would be admitted now without waiting."""
+        ...
+
+
+# queued interactive jobs a message's claim takes beside its own, at most
+MAX_CLAIM_AHEAD = 16
 
 
 class ClaimWriter(Protocol):
@@ -93,8 +108,10 @@ class JobAdmission:
         writer: ClaimWriter,
         group_id: str,
         send_generate: Callable[[str], None],
+        model: str | None = None,
     ) -> None:
         self.settings = settings
+        self.model = model  # the group's model: claims ahead among its jobs (None: never)
         self.session_factory = session_factory
         self._claim_bind = session_factory.kw["bind"].execution_options(
             isolation_level="AUTOCOMMIT")
@@ -141,16 +158,35 @@ class JobAdmission:
             logger.error("generate called with a malformed job id %r; ignored", job_id)
             return GenerateOutcome.SKIPPED
         job_id = str(job_uuid)
+        ahead = 0
+        if self.model is not None:
+            ahead = max(0, min(MAX_CLAIM_AHEAD, self.batcher.interactive_room() - 1))
+        which = Job.id == job_uuid
+        if ahead:
+            # NOTE: MATERIALIZED and SKIP LOCKED as in run_next_batch_jobs
+            queued = (select(Job.id).where(Job.model == self.model,
+                                           Job.status == JobStatus.QUEUED.value,
+                                           Job.batch_id.is_(None), Job.id != job_uuid)
+                      .order_by(Job.priority, Job.created_at).limit(ahead)
+                      .with_for_update(skip_locked=True)
+                      .cte("claimed_ahead").prefix_with("MATERIALIZED"))
+            which = or_(which, Job.id.in_(select(queued.c.id)))
         try:
-            row = self._claim(job_uuid)
+            rows = self._claim_rows(which)
         except SQLAlchemyError as exc:
             # NOTE: nothing changed yet; the job is still queued and needs this message.
             logger.warning("job %s: claim failed (%s); retrying", job_id, exc)
             raise AdmissionRetry(str(exc)) from exc
-        if row is None:
+        job_ids = [str(row.id) for row in rows]
+        cancelled = self._cancel_requested(job_ids)
+        outcome = GenerateOutcome.SKIPPED
+        for claimed_id, row in zip(job_ids, rows):
+            taken = self._take(claimed_id, row, claimed_id in cancelled)
+            if claimed_id == job_id:
+                outcome = taken
+        if outcome is GenerateOutcome.SKIPPED and job_id not in job_ids:
             logger.info("job %s is not queued any more; skipped", job_id)
-            return GenerateOutcome.SKIPPED
-        return self._take(job_id, row, self._cancel_requested([job_id]))
+        return outcome
 
     def run_next_batch_jobs(self, model: str, limit: int) -> list[GenerateOutcome]:
         """Claim up to `limit` queued batch lines of `model` in one statement and hand them
@@ -205,10 +241,6 @@ class JobAdmission:
                                 send_message=not is_batch_priority(job.priority))
             return GenerateOutcome.REQUEUED
         return GenerateOutcome.ADMITTED
-
-    def _claim(self, job_uuid: uuid.UUID) -> Row[Any] | None:
-        rows = self._claim_rows(Job.id == job_uuid)
-        return rows[0] if rows else None
 
     def _claim_rows(self, which: ColumnElement[bool]) -> list[Row[Any]]:
         """Claim the jobs `which` selects that are still queued."""

@@ -159,6 +159,10 @@ class Batcher:
         """
         return self._inbox.admit(job, timeout)
 
+    def interactive_room(self) -> int:
+        """One-sample interactive jobs that would be admitted now without waiting."""
+        return self._inbox.interactive_room()
+
     def wait_batch_room(self, timeout: float) -> int:
         """How many batch lines would be admitted now, waiting up to `timeout` seconds for
         one."""

@@ -123,6 +123,13 @@ class JobInbox:
                 return 0
             return max(1, self.batch_capacity - self._num_active_samples)
 
+    def interactive_room(self) -> int:
+        """How many one-sample interactive jobs would be admitted now without waiting."""
+        with self._cv:
+            if not self._admitting:
+                return 0
+            return max(0, self.capacity - self._num_interactive_samples)
+
     def cancel(self, job_id: str) -> None:
         """Record a cancel request; it also releases `job_id` if it waits in `admit`."""
         with self._cv:

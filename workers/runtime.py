@@ -124,7 +124,8 @@ class GroupRuntime:
                                on_unhealthy=self._on_breaker,
                                fault_inject_step_failures=s.fault_inject_step_failures)
         self.admission = JobAdmission(s, session_factory, self.redis, self.batcher,
-                                      self.writer, self.group_id, self.send_generate)
+                                      self.writer, self.group_id, self.send_generate,
+                                      model=self.model_name)
         self.batch_feeder = BatchFeeder(self.admission, self.batcher, self.model_name)
         self.cancels = CancelListener(self.redis, s, self.batcher.cancel,
                                       model=self.model_name,
