@@ -273,7 +273,9 @@ def test_expiry_finishes_the_batch_with_what_was_done(start_web, service_setting
                                                       session_factory, redis_client):
     base_url = start_web(service_settings.with_overrides(batch_completion_window_seconds=1))
     client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
-    lines = [_chat_line(f"e{i}", f"tale {i}", max_tokens=96) for i in range(64)]
+    # more lines than the worker holds (its seats and the lines waiting for one): some are
+    # still queued when the window passes
+    lines = [_chat_line(f"e{i}", f"tale {i}", max_tokens=96) for i in range(256)]
     batch = client.batches.create(input_file_id=_upload(client, lines).id,
                                   endpoint="/v1/chat/completions", completion_window="24h")
     assert batch.expires_at - batch.created_at <= 2
