@@ -12,17 +12,24 @@ from tests.pipeline_helpers import running_worker, submit, wait_for, wait_termin
 pytestmark = pytest.mark.integration
 
 
+# a model name of our own: the worker claims queued jobs of its model from the table (the
+# session's other tests may leave some of "tiny" queued), and only ours must count
+MODEL = "tiny-metrics"
+
+
 @pytest.fixture(scope="module")
 def settings(service_settings):
     # NOTE: a prefix of our own (under the session's, which cleans it up), so the figures
     # start from zero whatever ran before in this session
-    return service_settings.with_overrides(redis_prefix=service_settings.redis_prefix + "m")
+    return service_settings.with_overrides(
+        redis_prefix=service_settings.redis_prefix + "m",
+        models={**service_settings.models, MODEL: service_settings.models["tiny"]})
 
 
 @pytest.fixture(scope="module")
 def worker(settings, redis_client, tmp_path_factory):
     with running_worker(settings, redis_client, tmp_path_factory.mktemp("workers"),
-                        "metrics") as process:
+                        "metrics", model=MODEL) as process:
         yield process
 
 
@@ -38,14 +45,14 @@ def _scrape(base_url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], floa
 
 
 def _value(samples, name: str, **labels: str) -> float:
-    return samples[(name, tuple(sorted({"model_name": "tiny", **labels}.items())))]
+    return samples[(name, tuple(sorted({"model_name": MODEL, **labels}.items())))]
 
 
 def test_metrics_count_finished_jobs_alike_in_every_web_process(start_web, settings, worker,
                                                                 session_factory):
     web_a, web_b = start_web(settings), start_web(settings)
-    jobs = [submit(web_a, prompt=f"metrics prompt {i}", max_tokens=4 + i, temperature=0.0,
-                   ignore_eos=True) for i in range(3)]
+    jobs = [submit(web_a, model=MODEL, prompt=f"metrics prompt {i}", max_tokens=4 + i,
+                   temperature=0.0, ignore_eos=True) for i in range(3)]
     rows = [wait_terminal(session_factory, job["id"]) for job in jobs]
     assert all(row.status == JobStatus.SUCCEEDED.value for row in rows)
     num_prompt = sum(row.prompt_tokens for row in rows)
@@ -53,9 +60,11 @@ def test_metrics_count_finished_jobs_alike_in_every_web_process(start_web, setti
     assert num_generated == 4 + 5 + 6
 
     # the heartbeat carries the figures to Redis within a beat
+    # (the engine's figures, e.g. the running count, within the next one)
     samples = wait_for(lambda: (lambda s: s if _value(
-        s, "llmq:time_to_first_token_seconds_count") == 3 else None)(_scrape(web_a)),
-        15, "the TTFT histogram to count 3 jobs")
+        s, "llmq:time_to_first_token_seconds_count") == 3 and _value(
+        s, "llmq:num_requests_running") == 0 else None)(_scrape(web_a)),
+        15, "the TTFT histogram to count 3 jobs, none running")
     assert _value(samples, "llmq:prompt_tokens_total") == num_prompt
     assert _value(samples, "llmq:generation_tokens_total") == num_generated
     assert _value(samples, "llmq:request_finished_total", status="succeeded") == 3
@@ -72,7 +81,7 @@ def test_metrics_count_finished_jobs_alike_in_every_web_process(start_web, setti
     assert _value(samples, "llmq:num_device_groups") == 1
     assert _value(samples, "llmq:num_requests_running") == 0
     assert ("llmq:kv_cache_usage_perc", (("group", worker.group_id),
-                                         ("model_name", "tiny"))) in samples
+                                         ("model_name", MODEL))) in samples
     assert _value(samples, "llmq:prefix_cache_queries_total") >= 0
 
     # a second web app (another process in production) renders the same numbers
