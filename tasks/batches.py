@@ -25,7 +25,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from redis import Redis
-from sqlalchemy import ColumnElement, and_, func, or_, select, update
+from sqlalchemy import ColumnElement, and_, case, func, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from tasks.db import has_passed, update_count, utcnow
@@ -71,6 +71,24 @@ def request_counts(session: Session, batch: Batch) -> dict[str, int]:
     failed = counts.get(JobStatus.FAILED.value, 0) + counts.get(JobStatus.CANCELLED.value, 0)
     return {"total": batch.num_total, "completed": counts.get(JobStatus.SUCCEEDED.value, 0),
             "failed": failed}
+
+
+def batch_usage(session: Session, batch: Batch) -> tuple[str | None, dict[str, Any]]:
+    """(model, usage) of `batch`: the model its lines name when they all name the same one,
+    and the tokens of its requests that ran and ended (OpenAI's `usage` shape)."""
+    ran = and_(Job.status.not_in(UNFINISHED), Job.started_at.is_not(None))
+    row = session.execute(select(
+        func.min(Job.model), func.max(Job.model),
+        func.coalesce(func.sum(case((ran, Job.prompt_tokens), else_=0)), 0),
+        func.coalesce(func.sum(case((ran, Job.cached_tokens), else_=0)), 0),
+        func.coalesce(func.sum(case((ran, Job.completion_tokens), else_=0)), 0),
+    ).where(Job.batch_id == batch.id)).one()
+    first, last, prompt, cached, completion = row
+    usage = {"input_tokens": int(prompt), "input_tokens_details": {"cached_tokens": int(cached)},
+             "output_tokens": int(completion),
+             "output_tokens_details": {"reasoning_tokens": 0},
+             "total_tokens": int(prompt) + int(completion)}
+    return (first if first is not None and first == last else None), usage
 
 
 def finalize_if_done(session_factory: sessionmaker[Session], batch_id: str) -> bool:

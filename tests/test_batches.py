@@ -184,6 +184,14 @@ def test_batch_outputs_equal_direct_requests_and_a_bad_body_fails_its_line(
     assert done.status == "completed" and done.completed_at and done.output_file_id
     output, errors = _every_line_once(client, done, [line["custom_id"] for line in lines])
     assert done.request_counts.completed == 3 and done.request_counts.failed == 2
+    # its usage: the tokens of the requests that ran (the two refused ones never did)
+    usages = [line["response"]["body"]["usage"] for line in output]
+    assert done.model == "tiny" and done.usage is not None
+    assert done.usage.input_tokens == sum(u["prompt_tokens"] for u in usages) > 0
+    assert done.usage.output_tokens == sum(u["completion_tokens"] for u in usages) == 18
+    assert done.usage.input_tokens_details.cached_tokens == sum(
+        u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    assert done.usage.total_tokens == done.usage.input_tokens + done.usage.output_tokens
     assert [line["custom_id"] for line in output] == ["req-0", "req-1", "req-2"]
     for line, prompt in zip(output, prompts):
         assert line["id"].startswith("batch_req_") and line["error"] is None

@@ -25,6 +25,7 @@ from tasks.api.errors import SchemaError
 from tasks.batches import (
     EXPIRABLE,
     FINAL_STATUS,
+    batch_usage,
     cancel_batch_jobs,
     expire_batch,
     finalize_if_done,
@@ -168,6 +169,7 @@ def batch_to_dict(session: Any, batch: Batch) -> dict[str, Any]:
                                          "completed_at", "failed_at", "expired_at",
                                          "cancelling_at", "cancelled_at")},
         "request_counts": request_counts(session, batch), "metadata": batch.metadata_,
+        **dict(zip(("model", "usage"), batch_usage(session, batch))),
     }
 
 

@@ -63,6 +63,24 @@ class BatchRequestCounts(BaseModel):
     failed: int
 
 
+class BatchInputTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens found in the prefix cache
+
+
+class BatchOutputTokensDetails(BaseModel):
+    reasoning_tokens: int  # always 0 here: no output is set apart as reasoning
+
+
+class BatchUsage(BaseModel):
+    """The tokens of the batch's requests that ran and ended (OpenAI's `usage`)."""
+
+    input_tokens: int
+    input_tokens_details: BatchInputTokensDetails
+    output_tokens: int
+    output_tokens_details: BatchOutputTokensDetails
+    total_tokens: int
+
+
 class Batch(BaseModel):
     """A batch: its status, its files and how many of its requests ended which way."""
 
@@ -87,6 +105,8 @@ class Batch(BaseModel):
     cancelled_at: int | None
     request_counts: BatchRequestCounts
     metadata: dict[str, str] | None
+    model: str | None  # the model every line names (None while validating, or if they differ)
+    usage: BatchUsage
 
 
 class BatchList(BaseModel):
