@@ -272,3 +272,53 @@ def test_prompts_encoded_together_equal_each_encoded_alone(tiny_qwen3_dir):
     assert model.encode_many(texts, chat=False) == [model.encode(t) for t in texts]
     assert model.encode_many(texts, chat=True) == [model.encode_chat(t) for t in texts]
     assert model.encode_many([], chat=False) == []
+
+
+def test_hostile_lines_fail_alone_and_their_neighbours_are_queued_as_sent_directly(
+        client, session_factory, tiny_qwen3_dir):
+    """Lines whose bodies are malformed, huge or out of range, beside good ones, in one
+    pass of the validator (their prompts encoded together): each bad line is a failed job
+    naming its problem; every good line is queued with the prompt ids a direct request
+    gets."""
+    from tasks.settings import Settings
+    from webapp.model_registry import ModelRegistry
+
+    good = {"g0": "say one", "g1": "say two " * 20, "g2": "üñí ☃"}
+    hostile = {
+        "empty_prompt": {"prompt": ""},
+        "too_long": {"prompt": "word " * 50_000},
+        "huge_max_tokens": {"prompt": "hi", "max_tokens": 10**8},
+        "string_max_tokens": {"prompt": "hi", "max_tokens": "x"},
+        "negative_temperature": {"prompt": "hi", "temperature": -1},
+        "out_of_vocab": {"prompt": [10**9]},
+        "unknown_model": {"prompt": "hi", "model": "nope"},
+        "huge_n": {"prompt": "hi", "n": 10**6},
+    }
+    lines = []
+    for custom_id, prompt in good.items():
+        lines.append(_line(custom_id) | {"body": {"model": "tiny", "prompt": prompt,
+                                                 "max_tokens": 4}})
+    for custom_id, body in hostile.items():
+        lines.append(_line(custom_id) | {"body": {"model": "tiny", "max_tokens": 4, **body}})
+    data = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    file_id = client.files.create(file=("mixed.jsonl", io.BytesIO(data)), purpose="batch").id
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/completions",
+                                  completion_window="24h")
+    wait_for(lambda: client.batches.retrieve(batch.id).status != "validating", 60,
+             "validation ended")
+    with session_factory() as session:
+        jobs = {job.custom_id: job for job in session.scalars(
+            select(Job).where(Job.batch_id == batch.id))}
+    client.batches.cancel(batch.id)  # no worker here: leave nothing queued
+    assert set(jobs) == set(good) | set(hostile)
+    model = ModelRegistry(Settings(models={"tiny": str(tiny_qwen3_dir)})).get("tiny")
+    for custom_id, prompt in good.items():
+        job = jobs[custom_id]
+        assert job.status == JobStatus.QUEUED.value and job.error is None, job.error
+        assert job.prompt_token_ids == model.encode(prompt)
+    for custom_id in hostile:
+        job = jobs[custom_id]
+        assert job.status == JobStatus.FAILED.value, custom_id
+        assert job.error_kind == "invalid_request" and job.error, custom_id
+    assert "max_tokens" in jobs["huge_max_tokens"].error
+    assert "nope" in jobs["unknown_model"].error

@@ -107,7 +107,8 @@ def line_jobs(svc: Services, kind: JobKind, first_index: int, lines: list[BatchI
     Raises LineServerError for a problem of the server's, not a line's: the batch is
     validated again later."""
     jobs: list[Job] = []
-    parsed: list[tuple[Job, OpenAIRequest, ServedModel, str | None]] = []
+    # (job, index, line, request, model, prompt text) of the lines parsed so far
+    parsed: list[tuple[Job, int, BatchInputLine, OpenAIRequest, ServedModel, str | None]] = []
     for index, line in enumerate(lines, start=first_index):
         job = Job(id=uuid.uuid4(), api_key_id=api_key_id, batch_id=batch_id,
                   custom_id=line.custom_id, batch_index=index, kind=kind.value,
@@ -116,24 +117,24 @@ def line_jobs(svc: Services, kind: JobKind, first_index: int, lines: list[BatchI
         try:
             req = _line_request(svc, kind, line.body)
             model = served_model(req.job.model)
-            parsed.append((job, req, model, prompt_text(model, req.job)))
+            parsed.append((job, index, line, req, model, prompt_text(model, req.job)))
         except APIError as exc:
             _refused(job, index, line, exc, now)
     token_ids = _encode_all([(model, text, req.job.messages is not None)
-                             for _, req, model, text in parsed])
-    for (job, req, model, text), ids in zip(parsed, token_ids):
+                             for _, _, _, req, model, text in parsed])
+    for (job, index, line, req, model, text), ids in zip(parsed, token_ids):
         try:
-            _fill_job(model, req, job, (text, ids if ids is not None else
-                                        list(req.job.prompt_token_ids or [])))
+            # NOTE: no text: the line gave token ids, which tokenize takes as they are
+            _fill_job(model, req, job, None if text is None or ids is None else (text, ids))
         except APIError as exc:
-            _refused(job, job.batch_index, lines[job.batch_index - first_index], exc, now)
+            _refused(job, index, line, exc, now)
     return jobs
 
 
 def _refused(job: Job, index: int, line: BatchInputLine, exc: APIError,
              now: datetime) -> None:
-    """`job` fails from the start with the refusal `exc` (a 4xx); a 5xx is the server's
-    problem and raises LineServerError."""
+    """`job` (line `index`) fails from the start with the refusal `exc` (a 4xx); a 5xx is
+    the server's problem and raises LineServerError."""
     if exc.status >= 500:
         raise LineServerError(index, exc)
     model = line.body.get("model")
@@ -183,9 +184,10 @@ def _line_request(svc: Services, kind: JobKind, body: dict[str, Any]) -> OpenAIR
 
 
 def _fill_job(model: ServedModel, req: OpenAIRequest, job: Job,
-              encoded: tuple[str | None, list[int]]) -> None:
-    """`job` queued with the request's prompt (`encoded`: its text and token ids),
-    checked against the served model; raises APIError (4xx) for what it refuses."""
+              encoded: tuple[str, list[int]] | None) -> None:
+    """`job` queued with the request's prompt (`encoded`: its text and token ids, None
+    for a prompt of token ids), checked against the served model; raises APIError (4xx)
+    for what it refuses."""
     prompt, prompt_token_ids = tokenize(model, req.job, encoded=encoded)
     if req.fill_max_tokens:
         req.job.params.max_tokens = max(req.job.params.min_tokens, 1,

@@ -377,12 +377,13 @@ def prompt_text(model: ServedModel, job_request: JobRequest,
 
 def tokenize(model: ServedModel, job_request: JobRequest,
              tools: list[dict[str, Any]] | None = None, *,
-             encoded: tuple[str | None, list[int]] | None = None
+             encoded: tuple[str, list[int]] | None = None
              ) -> tuple[str | None, list[int]]:
     """(prompt text, prompt token ids), the job checked against the served model: its
     context length, vocabulary and sampling limits (400 naming the field otherwise).
     `tools` (OpenAI tool objects) go into a chat's prompt. `encoded`: the text and ids
     already made (`prompt_text`, then the model's encode; a batch encodes many at once)."""
+    text: str | None
     if encoded is not None:
         text, token_ids = encoded
     else:

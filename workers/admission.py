@@ -29,7 +29,7 @@ from datetime import UTC, timedelta
 from enum import Enum
 from typing import Any, Protocol
 
-from sqlalchemy import ColumnElement, Row, or_, select, update
+from sqlalchemy import ColumnElement, Row, and_, or_, select, update
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -81,7 +81,8 @@ class ClaimWriter(Protocol):
 
     def finish(self, result: JobResult) -> None: ...
 
-    def requeue(self, job_id: str, attempt: int, *, give_back: bool = True) -> None: ...
+    def requeue(self, job_id: str, attempt: int, *, give_back: bool = True,
+                send_message: bool = True) -> None: ...
 
 
 class GenerateOutcome(str, Enum):
@@ -163,30 +164,20 @@ class JobAdmission:
             ahead = max(0, min(MAX_CLAIM_AHEAD, self.batcher.interactive_room() - 1))
         which = Job.id == job_uuid
         if ahead:
-            # NOTE: MATERIALIZED and SKIP LOCKED as in run_next_batch_jobs
-            queued = (select(Job.id).where(Job.model == self.model,
-                                           Job.status == JobStatus.QUEUED.value,
-                                           Job.batch_id.is_(None), Job.id != job_uuid)
-                      .order_by(Job.priority, Job.created_at).limit(ahead)
-                      .with_for_update(skip_locked=True)
-                      .cte("claimed_ahead").prefix_with("MATERIALIZED"))
-            which = or_(which, Job.id.in_(select(queued.c.id)))
+            which = or_(which, _next_queued(
+                and_(Job.model == self.model, Job.batch_id.is_(None), Job.id != job_uuid),
+                (Job.priority, Job.created_at), ahead, "claimed_ahead"))
         try:
             rows = self._claim_rows(which)
         except SQLAlchemyError as exc:
             # NOTE: nothing changed yet; the job is still queued and needs this message.
             logger.warning("job %s: claim failed (%s); retrying", job_id, exc)
             raise AdmissionRetry(str(exc)) from exc
-        job_ids = [str(row.id) for row in rows]
-        cancelled = self._cancel_requested(job_ids)
-        outcome = GenerateOutcome.SKIPPED
-        for claimed_id, row in zip(job_ids, rows):
-            taken = self._take(claimed_id, row, claimed_id in cancelled)
-            if claimed_id == job_id:
-                outcome = taken
-        if outcome is GenerateOutcome.SKIPPED and job_id not in job_ids:
+        outcomes = self._take_all(rows)
+        if job_id not in outcomes:
             logger.info("job %s is not queued any more; skipped", job_id)
-        return outcome
+            return GenerateOutcome.SKIPPED
+        return outcomes[job_id]
 
     def run_next_batch_jobs(self, model: str, limit: int) -> list[GenerateOutcome]:
         """Claim up to `limit` queued batch lines of `model` in one statement and hand them
@@ -197,25 +188,22 @@ class JobAdmission:
                 return []
             self._num_in_flight += 1
         try:
-            # NOTE: SKIP LOCKED: groups claiming at once take different rows (Postgres; the
-            # conditional UPDATE alone keeps a claim single elsewhere). MATERIALIZED: as a
-            # plain subquery of the UPDATE, Postgres may run the SELECT more than once, and
-            # each run skips the rows the last one locked: a claim of 2 took 3 lines.
-            next_lines = (select(Job.id).where(Job.model == model,
-                                               Job.status == JobStatus.QUEUED.value,
-                                               Job.batch_id.is_not(None))
-                          .order_by(Job.created_at, Job.batch_index)
-                          .limit(max(1, limit)).with_for_update(skip_locked=True)
-                          .cte("next_lines").prefix_with("MATERIALIZED"))
-            rows = self._claim_rows(Job.id.in_(select(next_lines.c.id)))
-            job_ids = [str(row.id) for row in rows]
-            cancelled = self._cancel_requested(job_ids)
-            return [self._take(job_id, row, job_id in cancelled)
-                    for job_id, row in zip(job_ids, rows)]
+            rows = self._claim_rows(_next_queued(
+                and_(Job.model == model, Job.batch_id.is_not(None)),
+                (Job.created_at, Job.batch_index), max(1, limit), "next_lines"))
+            return list(self._take_all(rows).values())
         finally:
             with self._cv:
                 self._num_in_flight -= 1
                 self._cv.notify_all()
+
+    def _take_all(self, rows: list[Row[Any]]) -> dict[str, GenerateOutcome]:
+        """Every claimed row to the batcher (`_take`), their cancel flags read at once;
+        the outcomes by job id, in the rows' order."""
+        job_ids = [str(row.id) for row in rows]
+        cancelled = self._cancel_requested(job_ids)
+        return {job_id: self._take(job_id, row, job_id in cancelled)
+                for job_id, row in zip(job_ids, rows)}
 
     def _take(self, job_id: str, row: Row[Any], cancel_requested: bool) -> GenerateOutcome:
         """The claimed row `job_id` to the batcher (or failed, cancelled, given back)."""
@@ -311,3 +299,18 @@ def _admitted_job(job_id: str, row: Row[Any], attempt: int) -> AdmittedJob:
                        priority=int(row.priority or 0), attempt=attempt,
                        created_at=created.replace(tzinfo=created.tzinfo or UTC).timestamp()
                        if created is not None else None, claimed_at=time.time())
+
+
+def _next_queued(which: ColumnElement[bool], order: tuple[Any, ...], limit: int,
+                 name: str) -> ColumnElement[bool]:
+    """The condition "one of the first `limit` queued jobs `which` selects, in `order`",
+    for a claim.
+
+    NOTE: SKIP LOCKED: groups claiming at once take different rows (Postgres; the
+    conditional UPDATE alone keeps a claim single elsewhere). MATERIALIZED: as a plain
+    subquery of the UPDATE, Postgres may run the SELECT more than once, and each run
+    skips the rows the last one locked: a claim of 2 took 3 lines."""
+    queued = (select(Job.id).where(which, Job.status == JobStatus.QUEUED.value)
+              .order_by(*order).limit(limit).with_for_update(skip_locked=True)
+              .cte(name).prefix_with("MATERIALIZED"))
+    return Job.id.in_(select(queued.c.id))

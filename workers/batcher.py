@@ -396,8 +396,7 @@ class Batcher:
         self._finished.append(state)
 
     def _emit(self, events: list[tuple[str, JobEvent]]) -> None:
-        """Send this step's events (one publish call); its finished results and handed-back
-        lines follow them."""
+        """Send this step's events (one publish call); its finished results follow them."""
         finished, self._finished = self._finished, []
         results = [state.result() for state in finished]
         attempts = {job_id: state.job.attempt for job_id, state in self._jobs.items()}

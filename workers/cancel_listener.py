@@ -92,8 +92,7 @@ class CancelListener:
                             message.get("channel")) == self.batch_channel:
                         self.on_batch_lines()
                         continue
-                    data = message["data"]
-                    job_id = data.decode() if isinstance(data, bytes) else str(data)
+                    job_id = _text(message["data"])
                     logger.debug("cancel requested for job %s", job_id)
                     self.on_cancel(job_id.strip())
                     backoff = 0.1

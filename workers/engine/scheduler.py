@@ -195,8 +195,8 @@ class Scheduler:
         threshold = self.long_prefill_token_threshold
         bands = self.bands
         if alone is None and self.waiting:
-            free_seats = self.max_num_seqs - len(self.running) - self.num_waiting_for_kvs
-            for victim in bands.seats_to_free(self.running, self.waiting, free_seats):
+            for victim in bands.seats_to_free(self.running, self.waiting,
+                                              self._num_free_seats()):
                 # NOTE: not in `preempted`: that stops admission, and these make room for it
                 self._preempt(victim)
                 seated_out.append(victim.seq_id)
@@ -253,7 +253,7 @@ class Scheduler:
             not preempted
             and index < len(self.waiting)
             and budget > 0
-            and len(self.running) + self.num_waiting_for_kvs < self.max_num_seqs
+            and self._num_free_seats() > 0
         ):
             seq = self.waiting[index]
             if defer and bands.is_background(seq):
@@ -355,10 +355,14 @@ class Scheduler:
     def _can_admit(self, seq: Sequence) -> bool:
         """Whether `seq` would find a seat and KV blocks for its first chunk (counting no
         prefix-cache hit)."""
-        if len(self.running) + self.num_waiting_for_kvs >= self.max_num_seqs:
+        if self._num_free_seats() <= 0:
             return False
         num_new = self._chunk_size(seq, 0, self.max_num_batched_tokens)
         return -(-num_new // self.block_size) <= self.kv_manager.num_free_blocks
+
+    def _num_free_seats(self) -> int:
+        """Seats no running sequence holds (a sequence whose lookup is in flight holds one)."""
+        return self.max_num_seqs - len(self.running) - self.num_waiting_for_kvs
 
     def _chunk_size(self, seq: Sequence, num_computed: int, budget: int) -> int:
         num_new = seq.num_tokens - num_computed
