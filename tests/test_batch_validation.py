@@ -283,6 +283,7 @@ def test_hostile_lines_fail_alone_and_their_neighbours_are_queued_as_sent_direct
     from tasks.settings import Settings
     from webapp.model_registry import ModelRegistry
 
+    unknown = f"unknown-{uuid.uuid4().hex[:8]}"
     good = {"g0": "say one", "g1": "say two " * 20, "g2": "üñí ☃"}
     hostile = {
         "empty_prompt": {"prompt": ""},
@@ -291,7 +292,8 @@ def test_hostile_lines_fail_alone_and_their_neighbours_are_queued_as_sent_direct
         "string_max_tokens": {"prompt": "hi", "max_tokens": "x"},
         "negative_temperature": {"prompt": "hi", "temperature": -1},
         "out_of_vocab": {"prompt": [10**9]},
-        "unknown_model": {"prompt": "hi", "model": "nope"},
+        # a name of its own: the session's other tests look for jobs of theirs by model
+        "unknown_model": {"prompt": "hi", "model": unknown},
         "huge_n": {"prompt": "hi", "n": 10**6},
     }
     lines = []
@@ -321,4 +323,4 @@ def test_hostile_lines_fail_alone_and_their_neighbours_are_queued_as_sent_direct
         assert job.status == JobStatus.FAILED.value, custom_id
         assert job.error_kind == "invalid_request" and job.error, custom_id
     assert "max_tokens" in jobs["huge_max_tokens"].error
-    assert "nope" in jobs["unknown_model"].error
+    assert unknown in jobs["unknown_model"].error
