@@ -11,6 +11,7 @@ layers swap it in after loading, on the device it runs on.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from dataclasses import dataclass
@@ -30,10 +31,18 @@ PROBE_BATCH_SIZES = (1, 2, 4, 8, 16)
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
-    """True when `weight` [out, in] can take the prepacked path on its device."""
+    """True when `weight` [out, in] can take the prepacked path on its device. oneDNN packs
+    bf16 only where the CPU has the instructions for it (AVX-512 BW/VL/DQ or AVX-NE-CONVERT):
+    an AVX2 CPU keeps bf16 weights plain."""
     return (weight.device.type == "cpu" and weight.dtype in PACKABLE_DTYPES
             and weight.dim() == 2 and torch.backends.mkldnn.is_available()
-            and not weight.is_mkldnn)
+            and not weight.is_mkldnn
+            and (weight.dtype != torch.bfloat16 or _onednn_packs_bf16()))
+
+
+@functools.cache
+def _onednn_packs_bf16() -> bool:
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def prepack(weight: torch.Tensor) -> torch.Tensor:
