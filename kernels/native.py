@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name("native") / name
                 for name in ("skinny.c", "step_ops.c"))
-HEADERS = (Path(__file__).with_name("native") / "bf16.h",)
+HEADERS = tuple(Path(__file__).with_name("native") / name for name in ("bf16.h", "avx2.h"))
 CACHE_ENV = "LLMQ_KERNEL_CACHE"
 # -ffp-contract=off: `a * b - c * d` stays two roundings, as torch's elementwise ops
 CFLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off")
@@ -134,7 +134,7 @@ def available() -> bool:
 
 def isa() -> str:
     """Which of the kernel's code paths this CPU's build took ("avx512_bf16", "avx512f",
-    "generic"), or "" when it is unavailable."""
+    "avx2", "generic"), or "" when it is unavailable."""
     library = _library()
     return library.isa if library else ""
 

@@ -8,16 +8,21 @@
  * runtime torch's CPU ops use, shared when both are loaded in one process).
  *
  * Built at first use by kernels/native.py with -march=native: the AVX-512 paths are
- * compiled only where the building CPU has them; elsewhere the plain loops below are
- * left to the compiler's vectoriser. */
+ * compiled only where the building CPU has them, the AVX2 paths where it has AVX2 and FMA
+ * but no AVX-512; elsewhere the plain loops below are left to the compiler's vectoriser
+ * (which, without reassociation, leaves a dot product scalar). */
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#include "avx2.h"
+#define SKINNY_AVX2 1
 #endif
 
 #define MR 4   /* x rows per pass over a block */
@@ -56,6 +61,39 @@ static ALWAYS_INLINE void block_f32_rows(const float *x, const float *w, float *
     }
     for (int64_t i = 0; i < mr; ++i) out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]));
 }
+#elif defined(SKINNY_AVX2)
+/* 8 lanes: two accumulators a row (16 weights an iteration) keep two FMAs in flight per
+ * row; x's rows are fp32 (a bf16 x is widened once per call, see llmq_skinny_bf16) and
+ * the weight row is fp32 or bf16, widened as it streams in */
+#define AVX2_BLOCK(name, WT, LOAD_W)                                                      \
+    static ALWAYS_INLINE void name(const float *x, const WT *w, float *out, int64_t K,    \
+                                   int64_t mr, int64_t ldx) {                             \
+        __m256 acc[MR][2];                                                                \
+        for (int64_t i = 0; i < mr; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();    \
+        int64_t k = 0;                                                                    \
+        for (; k + 16 <= K; k += 16) {                                                    \
+            __m256 a = LOAD_W(w + k), b = LOAD_W(w + k + 8);                              \
+            for (int64_t i = 0; i < mr; ++i) {                                            \
+                acc[i][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * ldx + k), a, acc[i][0]); \
+                acc[i][1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * ldx + k + 8), b,      \
+                                            acc[i][1]);                                   \
+            }                                                                             \
+        }                                                                                 \
+        for (; k + 8 <= K; k += 8) {                                                      \
+            __m256 a = LOAD_W(w + k);                                                     \
+            for (int64_t i = 0; i < mr; ++i)                                              \
+                acc[i][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * ldx + k), a, acc[i][0]); \
+        }                                                                                 \
+        for (int64_t i = 0; i < mr; ++i) {                                                \
+            float sum = reduce_add8(_mm256_add_ps(acc[i][0], acc[i][1]));                     \
+            for (int64_t j = k; j < K; ++j) sum += x[i * ldx + j] * WIDEN_##WT(w[j]);      \
+            out[i] = sum;                                                                 \
+        }                                                                                 \
+    }
+#define WIDEN_float(v) (v)
+#define WIDEN_uint16_t(v) bf16_to_float(v)
+AVX2_BLOCK(block_f32_rows, float, _mm256_loadu_ps)
+AVX2_BLOCK(block_bf16f_rows, uint16_t, load8_bf16)
 #else
 static ALWAYS_INLINE void block_f32_rows(const float *x, const float *w, float *out,
                                          int64_t K, int64_t mr, int64_t ldx) {
@@ -141,6 +179,19 @@ static ALWAYS_INLINE void block_bf16_rows(const uint16_t *x, const uint16_t *w,
     }
 BY_ROW_COUNT(block_f32, float)
 BY_ROW_COUNT(block_bf16, uint16_t)
+#if defined(SKINNY_AVX2)
+#define BY_ROW_COUNT_W(name, XT, WT)                                                      \
+    static void name(const XT *x, const WT *w, float *out, int64_t K, int64_t mr,         \
+                     int64_t ldx) {                                                       \
+        switch (mr) {                                                                     \
+        case 1: name##_rows(x, w, out, K, 1, ldx); break;                                \
+        case 2: name##_rows(x, w, out, K, 2, ldx); break;                                \
+        case 3: name##_rows(x, w, out, K, 3, ldx); break;                                \
+        default: name##_rows(x, w, out, K, MR, ldx); break;                              \
+        }                                                                                 \
+    }
+BY_ROW_COUNT_W(block_bf16f, float, uint16_t)
+#endif
 
 /* ---- entry points ------------------------------------------------------------------ */
 
@@ -148,25 +199,48 @@ BY_ROW_COUNT(block_bf16, uint16_t)
  * more than it saves. */
 #define SERIAL_ELEMENTS (1 << 16)
 
-/* x [M, K] (row stride ldx), w [N, K] contiguous, bias [N] or NULL, y [M, N] contiguous;
- * TO_F32 / FROM_F32 convert one element of the dtype */
-#define SKINNY(S, T, TO_F32, FROM_F32)                                                    \
-    void llmq_skinny_##S(const T *x, const T *w, const T *bias, T *y, int64_t M,          \
-                         int64_t N, int64_t K, int64_t ldx, int threads) {                \
+/* the loop over output features (threads) and blocks of MR rows of x: BLOCK dots a
+ * weight row with rows of x (row stride ldx); TO_F32 / FROM_F32 convert one element of
+ * the dtype T */
+#define SKINNY_LOOP(BLOCK, x, ldx, T, TO_F32, FROM_F32)                                   \
+    do {                                                                                  \
         if (N * K < SERIAL_ELEMENTS) threads = 1;                                         \
         _Pragma("omp parallel for num_threads(threads) schedule(static)")                 \
         for (int64_t n = 0; n < N; ++n)                                                   \
             for (int64_t m = 0; m < M; m += MR) {                                         \
                 int64_t mr = M - m < MR ? M - m : MR;                                     \
                 float part[MR];                                                           \
-                block_##S(x + m * ldx, w + n * K, part, K, mr, ldx);                      \
+                BLOCK((x) + m * (ldx), w + n * K, part, K, mr, ldx);                      \
                 for (int64_t i = 0; i < mr; ++i)                                          \
                     y[(m + i) * N + n] = FROM_F32(part[i] + (bias ? TO_F32(bias[n]) : 0.f)); \
             }                                                                             \
-    }
+    } while (0)
 #define SAME_F32(v) (v)
-SKINNY(f32, float, SAME_F32, SAME_F32)
-SKINNY(bf16, uint16_t, bf16_to_float, float_to_bf16)
+
+/* x [M, K] (row stride ldx), w [N, K] contiguous, bias [N] or NULL, y [M, N] contiguous */
+void llmq_skinny_f32(const float *x, const float *w, const float *bias, float *y, int64_t M,
+                     int64_t N, int64_t K, int64_t ldx, int threads) {
+    SKINNY_LOOP(block_f32, x, ldx, float, SAME_F32, SAME_F32);
+}
+
+void llmq_skinny_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
+                      uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t ldx,
+                      int threads) {
+#if defined(SKINNY_AVX2)
+    /* AVX2 has no bf16 dot product: x is widened to fp32 once here (M x K, a few KB),
+     * so the inner loop widens only the streamed weight */
+    float *xf = malloc(sizeof(float) * (size_t)(M * K));
+    if (xf) {
+        for (int64_t m = 0; m < M; ++m)
+            for (int64_t k = 0; k < K; ++k) xf[m * K + k] = bf16_to_float(x[m * ldx + k]);
+        SKINNY_LOOP(block_bf16f, xf, K, uint16_t, bf16_to_float, float_to_bf16);
+        free(xf);
+        return;
+    }
+    /* out of memory for the widened copy: the plain loops below */
+#endif
+    SKINNY_LOOP(block_bf16, x, ldx, uint16_t, bf16_to_float, float_to_bf16);
+}
 
 /* which code path this build took, for the start-up log */
 const char *llmq_skinny_isa(void) {
@@ -174,6 +248,8 @@ const char *llmq_skinny_isa(void) {
     return "avx512_bf16";
 #elif defined(__AVX512F__)
     return "avx512f";
+#elif defined(SKINNY_AVX2)
+    return "avx2";
 #else
     return "generic";
 #endif

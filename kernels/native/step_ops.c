@@ -64,6 +64,8 @@ static inline void store16_bf16(uint16_t *p, __m512 v) {
     __m512i bits = _mm512_castps_si512(round16_bf16(v));
     _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+#include "avx2.h"
 #endif
 
 #define LOAD_F32(p, i) ((p)[i])
@@ -98,6 +100,14 @@ static inline void store16_bf16(uint16_t *p, __m512 v) {
         __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));                         \
         __m512 s = round16_##S(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)));  \
         store16_##S(o + k, _mm512_mul_ps(s, load16_##S(up + k)));                         \
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define SILU_VECTOR(S)                                                                    \
+    for (; k + 8 <= d; k += 8) {                                                          \
+        __m256 g = load8_##S(gate + k);                                                   \
+        __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), g));                         \
+        __m256 s = round8_##S(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)));   \
+        store8_##S(o + k, _mm256_mul_ps(s, load8_##S(up + k)));                           \
     }
 #else
 #define SILU_VECTOR(S)
@@ -171,6 +181,113 @@ SOFTMAX(bf16, round16_bf16)
 VALUES(f32, float)
 VALUES(bf16, uint16_t)
 #define WEIGHTED_VALUES(S, ...) weighted_values_##S(__VA_ARGS__)
+#elif defined(__AVX2__) && defined(__FMA__)
+/* a query head . a key (D % 8 == 0): a0 sums features 16j..16j+7 and a1 16j+8..16j+15,
+ * the 16 lanes of the AVX-512 form (where D % 16 == 0 the same sums in the same order,
+ * reduced alike), and two chains of fmadd in flight instead of one */
+#define HEAD_DOT8(S, T)                                                                   \
+    static inline float head_dot_##S(const float *q, const T *k, int64_t D) {             \
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();                        \
+        int64_t d = 0;                                                                    \
+        for (; d + 16 <= D; d += 16) {                                                    \
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8_##S(k + d), a0);           \
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), load8_##S(k + d + 8), a1);   \
+        }                                                                                 \
+        if (d < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8_##S(k + d), a0);    \
+        return reduce_add8(_mm256_add_ps(a1, a0));                                        \
+    }
+HEAD_DOT8(f32, float)
+HEAD_DOT8(bf16, uint16_t)
+#define HEAD_DOT(S, q, k, D) ((D) % 8 == 0 ? head_dot_##S(q, k, D) : dot_##S(q, k, D))
+
+/* the lanes of an 8-wide step that hold one of the `left` (< 8) remaining elements, as
+ * maskload / maskstore take them (masked stores are slow on AMD: only the last, partial
+ * step of a row uses them) */
+static inline __m256i tail_mask8(int64_t left) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)left),
+                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* softmax of one row of scores in place, then rounded as the dtype's softmax rounds; the
+ * tail's lanes past L are left out of the max (-inf) and of the total (0). The total is
+ * two vectors taking alternate steps (`now` this one, `next` the one after): the 16
+ * lanes of the AVX-512 form, the same sums */
+#define SOFTMAX(S, ROUND8)                                                                \
+    static inline void softmax_##S(float *s, int64_t L) {                                 \
+        int64_t full = L & ~(int64_t)7;                                                   \
+        __m256i m = tail_mask8(L - full);                                                 \
+        __m256 mf = _mm256_castsi256_ps(m), top = _mm256_set1_ps(-INFINITY);             \
+        for (int64_t t = 0; t < full; t += 8)                                             \
+            top = _mm256_max_ps(top, _mm256_loadu_ps(s + t));                             \
+        if (full < L) {                                                                   \
+            __m256 x = _mm256_maskload_ps(s + full, m);                                   \
+            top = _mm256_max_ps(top, _mm256_blendv_ps(top, x, mf));                       \
+        }                                                                                 \
+        __m256 peak = _mm256_set1_ps(reduce_max8(top));                                   \
+        __m256 now = _mm256_setzero_ps(), next = now;                                     \
+        for (int64_t t = 0; t < full; t += 8) {                                           \
+            __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), peak));               \
+            _mm256_storeu_ps(s + t, e);                                                   \
+            __m256 added = _mm256_add_ps(now, e);                                         \
+            now = next;                                                                   \
+            next = added;                                                                 \
+        }                                                                                 \
+        if (full < L) {                                                                   \
+            __m256 e = exp256(_mm256_sub_ps(_mm256_maskload_ps(s + full, m), peak));      \
+            _mm256_maskstore_ps(s + full, m, e);                                          \
+            now = _mm256_add_ps(now, _mm256_and_ps(e, mf));                               \
+        }                                                                                 \
+        __m256 sum = _mm256_set1_ps(reduce_add8(_mm256_add_ps(next, now)));               \
+        for (int64_t t = 0; t < full; t += 8)                                             \
+            _mm256_storeu_ps(s + t, ROUND8(_mm256_div_ps(_mm256_loadu_ps(s + t), sum)));  \
+        if (full < L) {                                                                   \
+            __m256 v = _mm256_div_ps(_mm256_maskload_ps(s + full, m), sum);               \
+            _mm256_maskstore_ps(s + full, m, ROUND8(v));                                  \
+        }                                                                                 \
+    }
+SOFTMAX(f32, round8_f32)
+SOFTMAX(bf16, round8_bf16)
+
+/* acc[g] = sum over t of p[g][t] * value[t], each feature's sum as the AVX-512 form's
+ * (fmadd over t, in order); 32 features at a time, four chains of fmadd in flight where
+ * one would wait on its own latency at every key. 0 where D % 8 (the caller's loop) */
+#define VALUES(S, T)                                                                      \
+    static inline int weighted_values_##S(const float *p, int64_t L, int64_t G,           \
+                                          int64_t D, const T *v_cache,                    \
+                                          const int64_t *rows, float *acc) {              \
+        if (D % 8) return 0;                                                              \
+        for (int64_t g = 0; g < G; ++g) {                                                 \
+            const float *pg = p + g * L;                                                  \
+            float *ag = acc + g * D;                                                      \
+            int64_t d = 0;                                                                \
+            for (; d + 32 <= D; d += 32) {                                                \
+                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;               \
+                for (int64_t t = 0; t < L; ++t) {                                         \
+                    const T *value = v_cache + rows[t] + d;                               \
+                    __m256 pt = _mm256_set1_ps(pg[t]);                                    \
+                    a0 = _mm256_fmadd_ps(pt, load8_##S(value), a0);                       \
+                    a1 = _mm256_fmadd_ps(pt, load8_##S(value + 8), a1);                   \
+                    a2 = _mm256_fmadd_ps(pt, load8_##S(value + 16), a2);                  \
+                    a3 = _mm256_fmadd_ps(pt, load8_##S(value + 24), a3);                  \
+                }                                                                         \
+                _mm256_storeu_ps(ag + d, a0);                                             \
+                _mm256_storeu_ps(ag + d + 8, a1);                                         \
+                _mm256_storeu_ps(ag + d + 16, a2);                                        \
+                _mm256_storeu_ps(ag + d + 24, a3);                                        \
+            }                                                                             \
+            for (; d < D; d += 8) {                                                       \
+                __m256 a = _mm256_setzero_ps();                                           \
+                for (int64_t t = 0; t < L; ++t)                                           \
+                    a = _mm256_fmadd_ps(_mm256_set1_ps(pg[t]),                            \
+                                        load8_##S(v_cache + rows[t] + d), a);             \
+                _mm256_storeu_ps(ag + d, a);                                              \
+            }                                                                             \
+        }                                                                                 \
+        return 1;                                                                         \
+    }
+VALUES(f32, float)
+VALUES(bf16, uint16_t)
+#define WEIGHTED_VALUES(S, ...) weighted_values_##S(__VA_ARGS__)
 #else
 #define WEIGHTED_VALUES(S, ...) 0
 #define HEAD_DOT(S, q, k, D) dot_##S(q, k, D)
@@ -209,6 +326,26 @@ SOFTMAX(bf16, ROUND_BF16)
                                          round16_##S(_mm512_mul_ps(x2, s))));             \
         store16_##S(o + k + half, _mm512_add_ps(round16_##S(_mm512_mul_ps(x2, c)),        \
                                                 round16_##S(_mm512_mul_ps(x1, s))));      \
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define NORM_VECTOR(S, FP32)                                                              \
+    for (__m256 rv = _mm256_set1_ps(r); i + 8 <= d; i += 8) {                             \
+        __m256 xr = _mm256_mul_ps(load8_##S(x + i), rv);                                  \
+        if (!(FP32)) xr = round8_##S(xr);                                                 \
+        store8_##S(out + i, _mm256_mul_ps(xr, load8_##S(w + i)));                         \
+    }
+#define ADD_VECTOR(S)                                                                     \
+    for (; k + 8 <= d; k += 8)                                                            \
+        store8_##S(sum + k, _mm256_add_ps(load8_##S(x + i * d + k),                       \
+                                          load8_##S(residual + i * d + k)));
+#define ROTARY_VECTOR(S)                                                                  \
+    for (; k + 8 <= half; k += 8) {                                                       \
+        __m256 x1 = load8_##S(row + k), x2 = load8_##S(row + k + half);                   \
+        __m256 c = load8_##S(cr + k), s = load8_##S(sr + k);                              \
+        store8_##S(o + k, _mm256_sub_ps(round8_##S(_mm256_mul_ps(x1, c)),                 \
+                                        round8_##S(_mm256_mul_ps(x2, s))));               \
+        store8_##S(o + k + half, _mm256_add_ps(round8_##S(_mm256_mul_ps(x2, c)),          \
+                                               round8_##S(_mm256_mul_ps(x1, s))));        \
     }
 #else
 #define NORM_VECTOR(S, FP32)
