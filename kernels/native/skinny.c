@@ -85,7 +85,7 @@ static ALWAYS_INLINE void block_f32_rows(const float *x, const float *w, float *
                 acc[i][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * ldx + k), a, acc[i][0]); \
         }                                                                                 \
         for (int64_t i = 0; i < mr; ++i) {                                                \
-            float sum = reduce_add8(_mm256_add_ps(acc[i][0], acc[i][1]));                     \
+            float sum = reduce_add8(_mm256_add_ps(acc[i][0], acc[i][1]));                 \
             for (int64_t j = k; j < K; ++j) sum += x[i * ldx + j] * WIDEN_##WT(w[j]);      \
             out[i] = sum;                                                                 \
         }                                                                                 \
@@ -167,20 +167,8 @@ static ALWAYS_INLINE void block_bf16_rows(const uint16_t *x, const uint16_t *w,
 }
 #endif
 
-#define BY_ROW_COUNT(name, T)                                                            \
-    static void name(const T *x, const T *w, float *out, int64_t K, int64_t mr,           \
-                     int64_t ldx) {                                                       \
-        switch (mr) {                                                                     \
-        case 1: name##_rows(x, w, out, K, 1, ldx); break;                                \
-        case 2: name##_rows(x, w, out, K, 2, ldx); break;                                \
-        case 3: name##_rows(x, w, out, K, 3, ldx); break;                                \
-        default: name##_rows(x, w, out, K, MR, ldx); break;                              \
-        }                                                                                 \
-    }
-BY_ROW_COUNT(block_f32, float)
-BY_ROW_COUNT(block_bf16, uint16_t)
-#if defined(SKINNY_AVX2)
-#define BY_ROW_COUNT_W(name, XT, WT)                                                      \
+/* x rows of type XT, a weight row of type WT */
+#define BY_ROW_COUNT(name, XT, WT)                                                        \
     static void name(const XT *x, const WT *w, float *out, int64_t K, int64_t mr,         \
                      int64_t ldx) {                                                       \
         switch (mr) {                                                                     \
@@ -190,7 +178,10 @@ BY_ROW_COUNT(block_bf16, uint16_t)
         default: name##_rows(x, w, out, K, MR, ldx); break;                              \
         }                                                                                 \
     }
-BY_ROW_COUNT_W(block_bf16f, float, uint16_t)
+BY_ROW_COUNT(block_f32, float, float)
+BY_ROW_COUNT(block_bf16, uint16_t, uint16_t)
+#if defined(SKINNY_AVX2)
+BY_ROW_COUNT(block_bf16f, float, uint16_t)
 #endif
 
 /* ---- entry points ------------------------------------------------------------------ */
