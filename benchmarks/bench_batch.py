@@ -133,7 +133,7 @@ def run_busy(client: Any, args: argparse.Namespace, services: Services) -> dict[
 
     worker_pid = services.worker.pid
     cpu_before = thread_cpu(worker_pid)
-    started = time.perf_counter()
+    started, started_unix = time.perf_counter(), time.time()
     batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/completions",
                                   completion_window="24h")
     created = time.perf_counter()
@@ -161,6 +161,7 @@ def run_busy(client: Any, args: argparse.Namespace, services: Services) -> dict[
     return {"status": batch.status, "completed": batch.request_counts.completed,
             "failed": batch.request_counts.failed, "tokens": tokens, "seconds": elapsed,
             "create_seconds": created - started, "validate_seconds": validated - started,
+            "first_line_seconds": first_line_started(services, batch.id) - started_unix,
             "tokens_per_s": tokens / elapsed, "status_seen_at": seen,
             "worker_thread_cpu_seconds": {name: round(cpu - cpu_before.get(name, 0.0), 2)
                                           for name, cpu in cpu_after.items()
@@ -169,6 +170,24 @@ def run_busy(client: Any, args: argparse.Namespace, services: Services) -> dict[
             # from the worker's heartbeats (every second or so): roughly the batch's steps
             "tokens_per_step": tokens_per_step(group_before, group_after),
             "ttft": samples}
+
+
+def first_line_started(services: Services, batch_id: str) -> float:
+    """When (unix s, the worker's clock) the first line of `batch_id` was claimed: lines
+    run while later ones are still validated."""
+    from sqlalchemy import func, select
+
+    from tasks.db import create_db_engine, make_sessionmaker
+    from tasks.models import Job
+
+    engine = create_db_engine(services.settings.database_url)
+    try:
+        with make_sessionmaker(engine)() as session:
+            first = session.scalar(select(func.min(Job.started_at))
+                                   .where(Job.batch_id == batch_id))
+    finally:
+        engine.dispose()
+    return first.timestamp() if first is not None else float("nan")
 
 
 def interactive_phases(services: Services, after: float, before: float) -> dict[str, float]:
@@ -284,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
          f"{busy['tokens_per_s']:.0f} / {offline['tokens_per_s']:.0f} tok/s: "
          f"**{100 * busy['tokens_per_s'] / offline['tokens_per_s']:.0f}%** "
          f"({busy['completed']} completed, {busy['failed']} failed, "
-         f"create took {busy['create_seconds']:.1f} s, validated after "
+         f"create took {busy['create_seconds']:.1f} s, first line claimed after "
+         f"{busy['first_line_seconds']:.2f} s, all validated after "
          f"{busy['validate_seconds']:.1f} s)"),
         *_cpu_rows(offline, busy),
         ("tokens sampled per step, served (from heartbeats) / offline engine",

@@ -85,6 +85,32 @@ def test_create_answers_validating_and_the_validator_queues_every_line(client,
     client.batches.cancel(batch.id)  # no worker here: leave nothing queued
 
 
+def test_the_first_lines_are_queued_while_later_ones_are_validated(client, session_factory):
+    """Passes commit as they go: a big file's first lines are jobs (the workers may run
+    them) while the batch is still `validating`; in the end every line is a job, once,
+    in order."""
+    num_lines = 3000
+    batch = client.batches.create(input_file_id=_upload(client, num_lines),
+                                  endpoint="/v1/completions", completion_window="24h")
+
+    def early_lines() -> int:
+        with session_factory() as session:
+            validating = session.get(Batch, batch.id).status == "validating"
+            count = _num_jobs(session_factory, batch.id)
+        return count if validating and 0 < count < num_lines else 0
+
+    seen = wait_for(early_lines, 60, "lines queued while validating", interval=0.005)
+    assert client.batches.retrieve(batch.id).request_counts.total in (0, num_lines)
+    done = wait_for(lambda: (b := client.batches.retrieve(batch.id)).status != "validating"
+                    and b, 60, "validation ended")
+    assert done.status == "in_progress" and done.request_counts.total == num_lines
+    with session_factory() as session:
+        indexes = session.scalars(select(Job.batch_index).where(Job.batch_id == batch.id))
+        assert sorted(indexes) == list(range(num_lines))
+    assert seen < num_lines
+    client.batches.cancel(batch.id)  # no worker here: leave nothing queued
+
+
 def test_a_lapsed_lease_is_taken_over_and_the_jobs_exist_once(client, session_factory):
     file_id = _upload(client, 5)
     # a process claimed this one and died; another still validates that one
@@ -133,7 +159,7 @@ def test_concurrent_claims_give_a_batch_to_one_validator_which_commits_once(
     cancel_batch_jobs(session_factory, redis_client, service_settings, batch_id)
 
 
-def test_cancel_while_validating_runs_no_line(client, session_factory):
+def test_cancel_while_validating_leaves_no_line_to_run(client, session_factory):
     held = _stored_batch(session_factory, _upload(client, 3), validator="busy:4:w",
                          lease_seconds=600, attempts=1)
     cancelled = client.batches.cancel(held)
@@ -188,8 +214,9 @@ def test_a_missing_input_file_fails_the_batch_with_a_file_error(client, session_
 
 def test_a_web_process_killed_while_validating_loses_nothing(service_settings, start_web,
                                                              session_factory, tmp_path):
-    """The `llmq web` (gunicorn) worker validating a big file is killed with SIGKILL; once
-    its lease lapsed, another web process validates the batch: every line is a job, once."""
+    """The `llmq web` (gunicorn) worker validating a big file is killed with SIGKILL after
+    its first passes committed; once its lease lapsed, another web process resumes where
+    they ended: every line is a job, once, and the jobs made before the kill are kept."""
     import os
     import signal
 
@@ -212,19 +239,28 @@ def test_a_web_process_killed_while_validating_loses_nothing(service_settings, s
                 return session.get(Batch, batch.id).validator
 
         token = wait_for(claimed, 30, "the victim claimed the batch")
+        wait_for(lambda: _num_jobs(session_factory, batch.id) > 0, 30,
+                 "the victim committed a first pass", interval=0.01)
         os.kill(int(token.split(":")[1]), signal.SIGKILL)  # the token names its process
-    assert _num_jobs(session_factory, batch.id) == 0  # it died before its commit
     with session_factory() as session:
         assert session.get(Batch, batch.id).status == "validating"
+        before = dict(session.execute(select(Job.batch_index, Job.id).where(
+            Job.batch_id == batch.id)).all())
+    assert 0 < len(before) < num_lines  # killed mid-way, lines 0..n-1 committed
+    assert sorted(before) == list(range(len(before)))
     rescuer = openai.OpenAI(base_url=start_web(service_settings) + "/v1", api_key="unused",
                             max_retries=0)
     done = wait_for(lambda: (b := rescuer.batches.retrieve(batch.id)).status != "validating"
                     and b, 120, "another process validated the batch", interval=0.2)
     assert done.status == "in_progress" and done.request_counts.total == num_lines
-    assert _num_jobs(session_factory, batch.id) == num_lines
     with session_factory() as session:
+        after = dict(session.execute(select(Job.batch_index, Job.id).where(
+            Job.batch_id == batch.id)).all())
         row = session.get(Batch, batch.id)
         assert row.validator != token and row.validation_attempts == 2
+    assert _num_jobs(session_factory, batch.id) == num_lines == len(after)
+    assert sorted(after) == list(range(num_lines))
+    assert all(after[index] == job_id for index, job_id in before.items())
     rescuer.batches.cancel(batch.id)
 
 

@@ -15,15 +15,21 @@ Durable, exactly once:
 * a claim is a conditional UPDATE (still `validating`, never claimed or its validator's
   lease lapsed) that writes the claimer's token and a lease; so if the validating process
   dies, another process's validator takes the batch over once the lease lapsed;
-* the validator renews its lease while it works and stops when a renewal matches nothing
-  (taken over, or cancelled);
-* its result, the jobs and the move to `in_progress` (or `failed`), is ONE transaction
-  whose first statement is an UPDATE matching only while the batch is still `validating`
-  under its token: a validator that lost its claim commits nothing, so the jobs exist once;
+* the lines become jobs in passes (64 lines first, then twice as many each pass, up to
+  1,000), and each pass is ONE transaction whose first statement is an UPDATE matching
+  only while the batch is still `validating` under the claim's token (it renews the
+  lease): a validator that lost its claim (taken over, or cancelled) commits nothing and
+  stops, so the jobs exist once. The workers run a pass's lines at once, while later
+  passes are validated (2,000 lines: the first run about 0.1 s after the create instead
+  of after the whole file). A validator that takes a lapsed claim over resumes after the
+  lines already committed, which are always a prefix of the file. The move to
+  `in_progress` (with the request count) is the last transaction; a cancel while
+  validating cancels the lines committed so far;
 * a line the server cannot validate for a reason of its own (a served model whose
   tokenizer does not load: a 5xx, where a bad line is a 4xx in the error file) makes no
-  line fail: the claim is released and a later pass tries again, and the last allowed
-  claim fails the batch naming the reason and the line;
+  line fail: the claim is released and a later pass resumes there, and the last allowed
+  claim fails the batch naming the reason and the line (and cancels the lines of earlier
+  passes that have not ended);
 * a batch whose validation keeps failing (`LLMQ_MAX_ATTEMPTS` claims) ends `failed`, and
   one whose window passes with no web process left is expired by beat (tasks/batches.py).
 """
@@ -34,16 +40,15 @@ import logging
 import os
 import socket
 import threading
-import time
 import uuid
 from datetime import timedelta
 from typing import Any
 
 from flask import Flask, current_app
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from tasks.batches import finalize_if_done, validation_unclaimed
+from tasks.batches import cancel_batch_jobs, finalize_if_done, validation_unclaimed
 from tasks.db import update_count, utcnow
 from tasks.files import read_file_bytes
 from tasks.models import Batch, BatchStatus, File, Job, JobStatus
@@ -63,8 +68,10 @@ logger = logging.getLogger(__name__)
 EXTENSION_KEY = "llmq.batch_validator"
 POLL_SECONDS = 2.0  # how often an idle validator looks for a batch nobody validates
 MAX_REPORTED_ERRORS = 1000  # validation errors kept in errors.data
-# lines turned into jobs at a time (their prompts encoded in one call); the claim's lease
-# is renewed between passes
+# lines turned into jobs at a time (their prompts encoded in one call), each pass committed
+# with a renewal of the claim's lease; the first passes are short, so the first lines run
+# a moment after the create while later ones are still validated
+FIRST_PASS_LINES = 64
 LINES_PER_PASS = 1000
 
 
@@ -107,15 +114,6 @@ def claim_batch(session_factory: sessionmaker[Session], token: str, lease_second
     return None
 
 
-def renew_claim(session_factory: sessionmaker[Session], batch_id: str, token: str,
-                lease_seconds: float) -> None:
-    """Extend this claim's lease; raises LostClaim when the claim is gone."""
-    with session_factory.begin() as session:
-        if not update_count(session, update(Batch).where(*_held(batch_id, token)).values(
-                validation_lease_expires_at=utcnow() + timedelta(seconds=lease_seconds))):
-            raise LostClaim(batch_id)
-
-
 def release_claim(session_factory: sessionmaker[Session], batch_id: str, token: str) -> None:
     """Give the claim up at once (its lease ends now), so a later pass may claim again."""
     with session_factory.begin() as session:
@@ -125,17 +123,28 @@ def release_claim(session_factory: sessionmaker[Session], batch_id: str, token: 
 
 def commit_validation(session_factory: sessionmaker[Session], batch_id: str, token: str,
                       values: dict[str, Any], jobs: list[Job]) -> bool:
-    """The validation's result in one transaction: the batch's new `values` and its
-    `jobs`, only while the batch is still validating under `token`. Returns whether it
-    was written (False: the claim was lost; nothing was)."""
+    """A pass's result in one transaction: the batch's new `values` and `jobs`, only while
+    the batch is still validating under `token`. The claim's lease ends unless `values`
+    sets `validation_lease_expires_at` (a pass with more to come renews it). Returns
+    whether it was written (False: the claim was lost; nothing was)."""
     with session_factory() as session, session.begin():
         # NOTE: the conditional UPDATE first: it locks the row, so a concurrent cancel or
         # a validator that took over waits, and a lost claim inserts no job.
         if not update_count(session, update(Batch).where(*_held(batch_id, token)).values(
-                validation_lease_expires_at=None, **values)):
+                **{"validation_lease_expires_at": None, **values})):
             return False
         session.add_all(jobs)
     return True
+
+
+def committed_lines(session_factory: sessionmaker[Session], batch_id: str) -> int:
+    """How many of the batch's lines earlier passes (of this claim or a lapsed one) made
+    jobs. NOTE: passes commit consecutive lines in order, each whole or not at all, so
+    the jobs are always lines 0 .. n-1: validation resumes at line n."""
+    with session_factory() as session:
+        last = session.scalar(select(func.max(Job.batch_index)).where(
+            Job.batch_id == batch_id))
+    return 0 if last is None else last + 1
 
 
 def _held(batch_id: str, token: str) -> tuple[Any, ...]:
@@ -169,26 +178,29 @@ def validate_batch(svc: Services, batch_id: str, token: str) -> bool:
             logger.info("batch %s failed validation: %d problems", batch_id, len(errors))
         return written
     kind = KIND_OF_ENDPOINT[endpoint]
-    renew_every = lease / 3
-    renew_at = time.monotonic() + renew_every
-    jobs: list[Job] = []
-    for first in range(0, len(lines), LINES_PER_PASS):
-        if time.monotonic() > renew_at:
-            renew_claim(svc.session_factory, batch_id, token, lease)
-            renew_at = time.monotonic() + renew_every
+    first = committed_lines(svc.session_factory, batch_id)
+    size = FIRST_PASS_LINES
+    while first < len(lines):
+        chunk = lines[first:first + size]
         try:
-            jobs += line_jobs(svc, kind, first, lines[first:first + LINES_PER_PASS],
-                              api_key_id, batch_id, now)
+            jobs = line_jobs(svc, kind, first, chunk, api_key_id, batch_id, now)
         except LineServerError as exc:  # the server's problem, not the line's
             return _server_problem(svc, batch_id, token, attempts, exc.index, exc.error)
-    written = commit_validation(svc.session_factory, batch_id, token, {
-        "status": BatchStatus.IN_PROGRESS.value, "num_total": len(jobs),
-        "in_progress_at": utcnow()}, jobs)
-    if written:
-        logger.info("batch %s in progress: %d requests to %s", batch_id, len(jobs), endpoint)
+        lease_ends = utcnow() + timedelta(seconds=lease)
+        if not commit_validation(svc.session_factory, batch_id, token,
+                                 {"validation_lease_expires_at": lease_ends}, jobs):
+            raise LostClaim(batch_id)
+        # the feeders may run these lines now, while the next pass is validated
         _announce(svc, batch_id, {job.model for job in jobs
                                   if job.status == JobStatus.QUEUED.value})
-        finalize_if_done(svc.session_factory, batch_id)  # every line may have failed already
+        first += len(chunk)
+        size = min(2 * size, LINES_PER_PASS)
+    written = commit_validation(svc.session_factory, batch_id, token, {
+        "status": BatchStatus.IN_PROGRESS.value, "num_total": len(lines),
+        "in_progress_at": utcnow()}, [])
+    if written:
+        logger.info("batch %s in progress: %d requests to %s", batch_id, len(lines), endpoint)
+        finalize_if_done(svc.session_factory, batch_id)  # every line may have ended already
     return written
 
 
@@ -220,6 +232,8 @@ def _server_problem(svc: Services, batch_id: str, token: str, attempts: int, ind
     if written:
         logger.error("batch %s failed: the server could not validate it (%s)", batch_id,
                      reason)
+        # lines of earlier passes may be queued or running: a failed batch runs no more
+        cancel_batch_jobs(svc.session_factory, svc.redis, svc.settings, batch_id)
     return written
 
 

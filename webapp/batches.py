@@ -124,8 +124,9 @@ def list_batches() -> Response:
 @bp.post("/<batch_id>/cancel")
 def cancel_batch(batch_id: str) -> Response:
     """Cancel: `cancelling` while its running jobs stop, then `cancelled` with what was
-    done in the output file (a `validating` batch: no line ran, its validation commits
-    nothing). Cancelling a cancelled batch answers it again."""
+    done in the output file (a `validating` batch: the lines its validator committed so
+    far are cancelled with the rest, and it commits nothing more). Cancelling a cancelled
+    batch answers it again."""
     svc = services()
     batch = load_batch(batch_id)
     status = BatchStatus(batch.status)
