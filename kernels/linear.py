@@ -28,6 +28,10 @@ PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 PACK_BATCH_HINT = 16
 # the row counts the start-up timing compares the paths at
 PROBE_BATCH_SIZES = (1, 2, 4, 8, 16)
+# from this many rows a bf16 call on a CPU without native bf16 is computed in fp32
+# (`widened_linear`): torch's bf16 `linear` there costs about 9 ms a row per pass over the
+# 100m model's weights, widening a fixed 105 ms (Zen 3; crossover between 8 and 16 rows)
+WIDEN_ROWS = 16
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
@@ -55,12 +59,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            skinny_rows: int = 0) -> torch.Tensor:
     """`x @ weight^T + bias`; `weight` plain [out, in] or `prepack`ed. A plain weight
     multiplies calls of at most `skinny_rows` rows with the native kernel
-    (kernels/native.py), larger ones with torch's `linear`."""
+    (kernels/native.py), larger ones with torch's `linear` (a bf16 weight on a CPU
+    without native bf16: `widened_linear`)."""
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     if x.shape[0] <= skinny_rows:
         return native.skinny_linear(x, weight, bias)
+    if (x.shape[0] >= WIDEN_ROWS and weight.dtype == torch.bfloat16 and weight.is_cpu
+            and not _onednn_packs_bf16()):
+        return widened_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def widened_linear(x: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A bf16 `linear` computed in fp32 and rounded once, as a bf16 linear rounds: on a CPU
+    without native bf16 (AVX2), torch's bf16 `linear` runs 3-6x slower than widening the
+    weight and multiplying in fp32 (Zen 3, the 100m model's weights: 16 rows 74 against
+    43 ms, 256 rows 1,192 against 199 ms; docs/benchmarks.md). The fp32 copy of the weight
+    lives for the call only; widening it costs three passes over its bytes, so calls of
+    fewer than `WIDEN_ROWS` rows stay on torch's bf16 `linear` (1 row: 14.5 against
+    105 ms)."""
+    out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    return out.to(x.dtype)
 
 
 def time_paths(weights: list[torch.Tensor], batch_sizes: tuple[int, ...] = PROBE_BATCH_SIZES,

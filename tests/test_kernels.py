@@ -362,6 +362,32 @@ def test_prepacked_linear_equals_torch_linear(dtype, bias):
     assert not dense.can_prepack(weight.half())  # no fast fp16 path on CPU: reference
 
 
+@pytest.mark.parametrize("rows", [1, 17, 300])
+def test_a_widened_bf16_linear_rounds_as_torch_bf16_linear(rows, monkeypatch):
+    """fp32 sums of the widened weight, rounded once: within one bf16 step of torch's bf16
+    `linear` (the same sums in another order), and `linear` takes this path exactly where
+    oneDNN has no bf16 (an AVX2 CPU)."""
+    from kernels import linear as dense
+
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 200, generator=gen).bfloat16()
+    bias = torch.randn(96, generator=gen).bfloat16()
+    x = torch.randn(rows, 200, generator=gen).bfloat16()
+    for b in (None, bias):
+        got, want = dense.widened_linear(x, weight, b), F.linear(x, weight, b)
+        assert got.dtype == torch.bfloat16 and got.shape == want.shape
+        exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
+        assert torch.allclose(got.double(), exact, rtol=2 ** -8, atol=1e-2)
+        assert torch.allclose(got.float(), want.float(), rtol=2 ** -7, atol=1e-2)
+        assert (got != want).float().mean() <= 0.02
+    for packs in (True, False):
+        monkeypatch.setattr(dense, "_onednn_packs_bf16", lambda packs=packs: packs)
+        chosen = dense.linear(x, weight, bias)
+        widened = not packs and rows >= dense.WIDEN_ROWS  # few rows: torch's bf16 linear
+        path = dense.widened_linear(x, weight, bias) if widened else F.linear(x, weight, bias)
+        assert torch.equal(chosen, path)
+
+
 def _onednn_packs_bf16() -> bool:
     """oneDNN packs bf16 weights only on CPUs with AVX-512 (or AVX-NE-CONVERT)"""
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
