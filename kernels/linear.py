@@ -43,11 +43,13 @@ def can_prepack(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype in PACKABLE_DTYPES
             and weight.dim() == 2 and torch.backends.mkldnn.is_available()
             and not weight.is_mkldnn
-            and (weight.dtype != torch.bfloat16 or _onednn_packs_bf16()))
+            and (weight.dtype != torch.bfloat16 or onednn_packs_bf16()))
 
 
 @functools.cache
-def _onednn_packs_bf16() -> bool:
+def onednn_packs_bf16() -> bool:
+    """True where oneDNN has bf16 kernels on this CPU (AVX-512 BW/VL/DQ or AVX-NE-CONVERT):
+    bf16 weights can be prepacked; elsewhere (AVX2) bf16 has no fast GEMM."""
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
@@ -68,7 +70,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.shape[0] <= skinny_rows:
         return native.skinny_linear(x, weight, bias)
     if (x.shape[0] >= WIDEN_ROWS and weight.dtype == torch.bfloat16 and weight.is_cpu
-            and not _onednn_packs_bf16()):
+            and not onednn_packs_bf16()):
         return widened_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 

@@ -342,7 +342,7 @@ def test_prepacked_linear_equals_torch_linear(dtype, bias):
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(96, 64, generator=gen).to(dtype)
     b = torch.randn(96, generator=gen).to(dtype) if bias else None
-    if dtype == torch.bfloat16 and not _onednn_packs_bf16():
+    if dtype == torch.bfloat16 and not dense.onednn_packs_bf16():
         # an AVX2 CPU: oneDNN refuses to pack bf16, so the weight must stay plain
         assert not dense.can_prepack(weight)
         return
@@ -381,23 +381,19 @@ def test_a_widened_bf16_linear_rounds_as_torch_bf16_linear(rows, monkeypatch):
         assert torch.allclose(got.float(), want.float(), rtol=2 ** -7, atol=1e-2)
         assert (got != want).float().mean() <= 0.02
     for packs in (True, False):
-        monkeypatch.setattr(dense, "_onednn_packs_bf16", lambda packs=packs: packs)
+        monkeypatch.setattr(dense, "onednn_packs_bf16", lambda packs=packs: packs)
         chosen = dense.linear(x, weight, bias)
         widened = not packs and rows >= dense.WIDEN_ROWS  # few rows: torch's bf16 linear
         path = dense.widened_linear(x, weight, bias) if widened else F.linear(x, weight, bias)
         assert torch.equal(chosen, path)
 
 
-def _onednn_packs_bf16() -> bool:
-    """oneDNN packs bf16 weights only on CPUs with AVX-512 (or AVX-NE-CONVERT)"""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
 def test_prepack_linears_swaps_weights_in_place_once(tiny_qwen3_tied_dir):
+    from kernels import linear as dense
     from workers.engine.loader import load_checkpoint
     from workers.engine.models.layers import prepack_linears
 
-    dtype = "bfloat16" if _onednn_packs_bf16() else "float32"
+    dtype = "bfloat16" if dense.onednn_packs_bf16() else "float32"
     loaded = load_checkpoint(tiny_qwen3_tied_dir, dtype=dtype)
     model = loaded.model
     ids = torch.tensor([5, 6, 7])
@@ -425,6 +421,7 @@ def test_prepack_linears_swaps_weights_in_place_once(tiny_qwen3_tied_dir):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_runner_times_both_linear_paths_at_start_up_and_takes_the_faster(
         tiny_qwen3_tied_dir, dtype, monkeypatch):
+    from kernels import linear as dense
     from kernels.linear import PROBE_BATCH_SIZES, choose_plan, plain_rows_limit
     from workers.engine.loader import load_checkpoint
     from workers.engine.model_runner import ModelRunner
@@ -444,7 +441,7 @@ def test_runner_times_both_linear_paths_at_start_up_and_takes_the_faster(
     assert set(probe) == set(PROBE_BATCH_SIZES)
     packed = [b for b in loaded.model.buffers() if b.is_mkldnn]
     plan = choose_plan(probe)
-    if dtype == "bfloat16" and not _onednn_packs_bf16():
+    if dtype == "bfloat16" and not dense.onednn_packs_bf16():
         # nothing to pack here: torch's linear and the native kernel are timed
         assert all("prepacked" not in t for t in probe.values()) and not packed
         assert runner.linear_path == plan.name and plan.name in ("native", "reference")

@@ -139,9 +139,7 @@ def test_the_runner_times_three_paths_and_applies_the_plan(tiny_qwen3_tied_dir, 
     runner = ModelRunner(loaded, kv_cache_bytes=1 << 20)
     times = runner.linear_probe
     assert set(times) == set(dense.PROBE_BATCH_SIZES)
-    # oneDNN packs bf16 only where the CPU has AVX-512 (or AVX-NE-CONVERT)
-    packs = dense.can_prepack(torch.zeros(2, 2, dtype=torch.bfloat16))
-    paths = {"reference", "native"} | ({"prepacked"} if packs else set())
+    paths = {"reference", "native"} | ({"prepacked"} if dense.onednn_packs_bf16() else set())
     assert all(set(by_path) == paths and
                all(t > 0 for t in by_path.values()) for by_path in times.values())
     plan = dense.choose_plan(times)
