@@ -29,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -172,21 +173,28 @@ def run_busy(client: Any, args: argparse.Namespace, services: Services) -> dict[
             "ttft": samples}
 
 
+def _read(services: Services, read: Callable[[Any], Any]) -> Any:
+    """`read(session)` on a session of the served database, after the run (its own engine,
+    disposed at once)."""
+    from tasks.db import create_db_engine, make_sessionmaker
+
+    engine = create_db_engine(services.settings.database_url)
+    try:
+        with make_sessionmaker(engine)() as session:
+            return read(session)
+    finally:
+        engine.dispose()
+
+
 def first_line_started(services: Services, batch_id: str) -> float:
     """When (unix s, the worker's clock) the first line of `batch_id` was claimed: lines
     run while later ones are still validated."""
     from sqlalchemy import func, select
 
-    from tasks.db import create_db_engine, make_sessionmaker
     from tasks.models import Job
 
-    engine = create_db_engine(services.settings.database_url)
-    try:
-        with make_sessionmaker(engine)() as session:
-            first = session.scalar(select(func.min(Job.started_at))
-                                   .where(Job.batch_id == batch_id))
-    finally:
-        engine.dispose()
+    first = _read(services, lambda session: session.scalar(
+        select(func.min(Job.started_at)).where(Job.batch_id == batch_id)))
     return first.timestamp() if first is not None else float("nan")
 
 
@@ -197,19 +205,13 @@ def interactive_phases(services: Services, after: float, before: float) -> dict[
 
     from sqlalchemy import select
 
-    from tasks.db import create_db_engine, make_sessionmaker
     from tasks.models import Job
 
-    engine = create_db_engine(services.settings.database_url)
-    try:
-        with make_sessionmaker(engine)() as session:
-            rows = session.execute(select(Job.created_at, Job.started_at, Job.first_token_at)
-                                   .where(Job.batch_id.is_(None),
-                                          Job.created_at >= datetime.fromtimestamp(after, UTC),
-                                          Job.created_at < datetime.fromtimestamp(before, UTC))
-                                   ).all()
-    finally:
-        engine.dispose()
+    rows = _read(services, lambda session: session.execute(
+        select(Job.created_at, Job.started_at, Job.first_token_at)
+        .where(Job.batch_id.is_(None),
+               Job.created_at >= datetime.fromtimestamp(after, UTC),
+               Job.created_at < datetime.fromtimestamp(before, UTC))).all())
     claim = [(s - c).total_seconds() for c, s, _ in rows if s is not None]
     first = [(f - s).total_seconds() for _, s, f in rows if s is not None and f is not None]
     return {"claim_ms_p50": 1000 * statistics.median(claim) if claim else float("nan"),
