@@ -1,7 +1,9 @@
 """Our own CPU kernels, built for this CPU at first use and called through ctypes: the
 projections of few rows (`native/skinny.c`) and the small operations of a step
 (`native/step_ops.c`: RMSNorm, rotary, the gated activation, the KV store, decode
-attention), which `register()` puts in `kernels.dispatch` for the CPU.
+attention), which `register()` puts in `kernels.dispatch` for the CPU; and
+`NativeDecoder` (`native/decoder.c`), which runs every decoder layer of a decode step of
+few rows as one call over those same kernels.
 
 Why: a decode step multiplies a handful of rows by every weight, so it is bound by how
 fast the weights stream from memory. Read in their checkpoint layout, one row after
@@ -34,8 +36,9 @@ from kernels.cpu import cpu_description_key
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name("native") / name
-                for name in ("skinny.c", "step_ops.c"))
-HEADERS = tuple(Path(__file__).with_name("native") / name for name in ("bf16.h", "avx2.h"))
+                for name in ("skinny.c", "step_ops.c", "decoder.c"))
+HEADERS = tuple(Path(__file__).with_name("native") / name
+                for name in ("bf16.h", "avx2.h", "ops.h"))
 CACHE_ENV = "LLMQ_KERNEL_CACHE"
 # -ffp-contract=off: `a * b - c * d` stays two roundings, as torch's elementwise ops
 CFLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off")
@@ -99,6 +102,16 @@ class _Library:
                 fn.argtypes = argtypes
                 fn.restype = ctypes.c_int if op == "decode_attention" else None
                 self.ops[op][dtype] = fn
+        self.decode_layers = {}
+        for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
+            fn = getattr(lib, f"llmq_decode_layers_{suffix}")
+            fn.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ctypes.c_int, ptr, ptr, i64, ptr, ptr,
+                           ptr, ptr, ptr, ptr, ctypes.c_int]
+            fn.restype = ctypes.c_int
+            self.decode_layers[dtype] = fn
+        lib.llmq_decode_scratch.argtypes = [ptr, i64]
+        lib.llmq_decode_scratch.restype = i64
+        self.decode_scratch = lib.llmq_decode_scratch
         self.isa = lib.llmq_skinny_isa().decode()
         self.path = path
 
@@ -278,6 +291,20 @@ def store_kv(k, v, k_cache, v_cache, slot_blocks, slot_offsets) -> None:
         k_cache.stride(1), slot_blocks.data_ptr(), slot_offsets.data_ptr())
 
 
+def _decode_lists(decodes) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each decode's table starts in `decodes.all_tables`, and its context length:
+    made once per step (every layer reads the same)."""
+    cache = decodes.backend_cache
+    if cache is None or "native" not in cache:
+        starts = [0]
+        for table in decodes.block_tables[:-1]:
+            starts.append(starts[-1] + table.numel())
+        cache = decodes.backend_cache = decodes.backend_cache or {}
+        cache["native"] = (torch.tensor(starts, dtype=torch.int64),
+                           torch.tensor(decodes.context_lens, dtype=torch.int64))
+    return cache["native"]
+
+
 def _decode(q, k_cache, v_cache, decodes) -> torch.Tensor:
     """Native form of `kernels.attention._decode`: every decode's heads in one call, each
     reading its keys and values straight from the cache blocks (no gather, no padding)."""
@@ -288,15 +315,7 @@ def _decode(q, k_cache, v_cache, decodes) -> torch.Tensor:
             and k_cache.stride(2) == k_cache.shape[3] and decodes.all_tables is not None
             and q.shape[1] % k_cache.shape[2] == 0):
         return attention._decode(q, k_cache, v_cache, decodes)
-    cache = decodes.backend_cache
-    if cache is None or "native" not in cache:
-        starts = [0]
-        for table in decodes.block_tables[:-1]:
-            starts.append(starts[-1] + table.numel())
-        cache = decodes.backend_cache = decodes.backend_cache or {}
-        cache["native"] = (torch.tensor(starts, dtype=torch.int64),
-                           torch.tensor(decodes.context_lens, dtype=torch.int64))
-    starts, lens = cache["native"]
+    starts, lens = _decode_lists(decodes)
     q = q.contiguous()
     num_decodes, num_heads, head_dim = q.shape
     out = torch.empty_like(q)
@@ -314,6 +333,131 @@ def paged_attention(q, k, v, k_cache, v_cache, meta) -> torch.Tensor:
     from kernels import attention
 
     return attention.paged_attention(q, k, v, k_cache, v_cache, meta, decode=_decode)
+
+
+# ---- every decoder layer of a decode step in one call (native/decoder.c) ------------------
+
+
+class _DecoderShape(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in (
+        "hidden", "heads", "kv_heads", "head_dim", "intermediate", "cache_block_stride",
+        "cache_token_stride", "block_size")] + [("eps", ctypes.c_float),
+                                                ("scale", ctypes.c_float)]
+
+
+LAYER_PARTS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "post_norm",
+               "gate_up", "gate_up_bias", "down")
+# the parts a layer may lack (a bias, Qwen3's per-head norms)
+OPTIONAL_PARTS = ("qkv_bias", "q_norm", "k_norm", "gate_up_bias")
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in (*LAYER_PARTS, "k_cache", "v_cache")]
+
+
+class NativeDecoder:
+    """A Llama-family model's decoder layers run as one native call per decode step of at
+    most `max_rows` rows, on the native kernels the layer-by-layer path calls one by one
+    (bit for bit its results: same operations, same order).
+
+    Why: at a few rows a layer is its weight reads plus a few kilobytes of small
+    operations, and the Python between the calls cost more than the operations (bf16,
+    100m model, Xeon with AMX: 4-5 ms of a 13 ms step; docs/benchmarks.md "CPU speed").
+
+    `layers`: per layer, the tensors named by `LAYER_PARTS` (plain row-major weights, the
+    norms' weights; None for an absent optional part), all of one dtype the kernels take.
+    """
+
+    def __init__(self, layers: list[dict[str, torch.Tensor | None]], *, heads: int,
+                 kv_heads: int, head_dim: int, eps: float, max_rows: int) -> None:
+        library = _library()
+        if library is None:
+            raise RuntimeError("the native CPU kernel is unavailable")
+        first = layers[0]
+        self.dtype = first["qkv"].dtype
+        for layer in layers:
+            for name in LAYER_PARTS:
+                t = layer.get(name)
+                if t is None and name in OPTIONAL_PARTS:
+                    continue
+                if t is None or t.dtype != self.dtype or not t.is_cpu or not t.is_contiguous() \
+                        or t.is_mkldnn:
+                    raise ValueError(f"{name}: a contiguous CPU tensor of {self.dtype} needed")
+            if (layer.get("q_norm") is None) != (layer.get("k_norm") is None):
+                raise ValueError("q_norm and k_norm come together")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"the native kernels take {DTYPES}, not {self.dtype}")
+        hidden = first["qkv"].shape[1]
+        intermediate = first["down"].shape[1]
+        if first["qkv"].shape[0] != (heads + 2 * kv_heads) * head_dim or heads % kv_heads:
+            raise ValueError("qkv does not match the heads")
+        self._library = library
+        self._run = library.decode_layers[self.dtype]
+        self.max_rows = max_rows
+        self.num_layers = len(layers)
+        self._layers = layers  # the tensors stay alive as long as their addresses are used
+        self._structs = (_Layer * len(layers))()
+        for struct, layer in zip(self._structs, layers):
+            for name in LAYER_PARTS:
+                t = layer.get(name)
+                setattr(struct, name, None if t is None else t.data_ptr())
+        self._shape = _DecoderShape(hidden=hidden, heads=heads, kv_heads=kv_heads,
+                                    head_dim=head_dim, intermediate=intermediate,
+                                    eps=eps, scale=head_dim ** -0.5)
+        self._cache_ptr: int | None = None
+        self._scratch = torch.empty(0, dtype=self.dtype)
+
+    def takes(self, hidden: torch.Tensor, meta) -> bool:
+        """True when this step can run here: every row a decode (no prompt chunk attended
+        apart), at most `max_rows` of them, in the decoder's dtype, on the CPU."""
+        decodes = meta.decodes
+        return (decodes is not None and decodes.rows_are_all and not meta.chunks
+                and hidden.shape[0] <= self.max_rows and hidden.dtype == self.dtype
+                and hidden.is_cpu and decodes.all_tables is not None)
+
+    def _bind_cache(self, kv_cache: torch.Tensor) -> None:
+        """Point every layer at its K and V in `kv_cache` [blocks, 2, layers, block_size,
+        kv_heads, head_dim] (contiguous); done again only if the cache moves."""
+        if kv_cache.data_ptr() == self._cache_ptr:
+            return
+        shape = self._shape
+        if not (kv_cache.is_contiguous() and kv_cache.dim() == 6 and kv_cache.dtype == self.dtype
+                and kv_cache.shape[2] == self.num_layers
+                and kv_cache.shape[4:] == (shape.kv_heads, shape.head_dim)):
+            raise ValueError(f"a KV cache of shape {tuple(kv_cache.shape)} does not fit")
+        for layer, struct in enumerate(self._structs):
+            struct.k_cache = kv_cache[:, 0, layer].data_ptr()
+            struct.v_cache = kv_cache[:, 1, layer].data_ptr()
+        shape.cache_block_stride = kv_cache.stride(0)
+        shape.cache_token_stride = kv_cache.stride(3)
+        shape.block_size = kv_cache.shape[3]
+        self._cache_ptr = kv_cache.data_ptr()
+
+    def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [rows, hidden_size] (the embeddings) -> (hidden, residual) after the
+        last layer, as the layer loop returns them. cos, sin [rows, head_dim / 2]."""
+        self._bind_cache(meta.kv_cache)
+        rows = hidden.shape[0]
+        hidden = hidden.clone(memory_format=torch.contiguous_format)
+        residual = torch.empty_like(hidden)
+        needed = self._library.decode_scratch(ctypes.byref(self._shape), rows)
+        if self._scratch.numel() < needed:
+            self._scratch = torch.empty(needed, dtype=self.dtype)
+        if not (cos.stride(1) == 1 and sin.stride(1) == 1 and cos.stride(0) == sin.stride(0)
+                and cos.dtype == sin.dtype == self.dtype):
+            cos, sin = cos.contiguous().to(self.dtype), sin.contiguous().to(self.dtype)
+        decodes = meta.decodes
+        starts, lens = _decode_lists(decodes)
+        failed = self._run(ctypes.byref(self._shape), self._structs, self.num_layers, rows,
+                           hidden.data_ptr(), residual.data_ptr(), 0, cos.data_ptr(),
+                           sin.data_ptr(), cos.stride(0), meta.slot_blocks.data_ptr(),
+                           meta.slot_offsets.data_ptr(), decodes.all_tables.data_ptr(),
+                           starts.data_ptr(), lens.data_ptr(), self._scratch.data_ptr(),
+                           torch.get_num_threads())
+        if failed:
+            raise MemoryError("decode attention could not allocate its scratch buffers")
+        return hidden, residual
 
 
 # prompt chunks of at most this many tokens go to the decode kernel, one row per query

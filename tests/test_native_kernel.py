@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -143,10 +144,14 @@ def test_the_runner_times_three_paths_and_applies_the_plan(tiny_qwen3_tied_dir, 
     assert all(set(by_path) == paths and
                all(t > 0 for t in by_path.values()) for by_path in times.values())
     plan = dense.choose_plan(times)
-    assert (runner.linear_path, runner.skinny_rows, runner.plain_rows) == (
-        plan.name, plan.skinny_rows, plan.plain_rows)
+    assert (runner.linear_path, runner.plain_rows) == (plan.name, plan.plain_rows)
+    # one-row calls the plan gave elsewhere go native when the native decoder won the
+    # whole-step timing that follows
+    assert runner.skinny_rows == plan.skinny_rows or (
+        plan.skinny_rows == 0 and runner.skinny_rows == 1
+        and runner.decoder_probe["decoder"] < runner.decoder_probe["plan"])
     layers = [m for m in loaded.model.modules() if isinstance(m, LinearBase | ParallelLMHead)]
-    assert all(layer.skinny_rows == plan.skinny_rows for layer in layers)
+    assert all(layer.skinny_rows == runner.skinny_rows for layer in layers)
     assert all((layer.packed_weight is not None or layer.weight.is_mkldnn) == plan.prepack
                for layer in layers)
 
@@ -363,3 +368,85 @@ def test_the_builds_for_other_x86_cpus_equal_the_references(monkeypatch, march, 
         test_short_prompt_chunks_attended_as_decode_rows_equal_the_chunk_path(dtype)
         for shape in ((1, 7, 5), (5, 100, 768), (9, 256, 200), (3, 33, 25)):
             test_the_kernel_equals_torch_linear_within_the_summation_order(dtype, *shape)
+
+
+def _step_logits(runner, steps) -> list[torch.Tensor]:
+    """The logits of every row of each step, from a cleared KV cache."""
+    from tasks.params import SamplingParams
+    from workers.engine.step_io import ScheduledSequence, SchedulerOutput
+
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    runner.kv_cache.zero_()
+    logits = []
+    for step in steps:
+        scheduled = [ScheduledSequence(seq_id=i, token_ids=tokens, start_pos=start,
+                                       block_table=list(range(24 * i, 24 * i + 24)), sample=True,
+                                       params=params, prompt_token_ids=[], output_token_ids=[])
+                     for i, start, tokens in step]
+        logits.append(runner.forward_logits(
+            SchedulerOutput(scheduled, sum(len(s.token_ids) for s in scheduled))))
+    return logits
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
+def test_decode_steps_in_one_native_call_equal_the_layer_loop_bit_for_bit(
+        arch, dtype, request, monkeypatch):
+    """The decode steps the native decoder takes (every row a decode, at most its rows)
+    give exactly the layer-by-layer path's logits: Qwen3's per-head norms, Qwen2's QKV
+    bias, Llama's plain layers; prompts and steps of more rows stay on the layer loop."""
+    from workers.engine.loader import load_checkpoint
+    from workers.engine.model_runner import NATIVE_ROWS, ModelRunner
+
+    monkeypatch.setenv("LLMQ_CPU_KERNELS", "native")
+    model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
+    runner = ModelRunner(load_checkpoint(model_dir, dtype=dtype), block_size=4,
+                         kv_cache_bytes=8 << 20, linear_path="native")
+    decoder = runner.model.model.native_decoder
+    assert runner.decoder_rows == NATIVE_ROWS and decoder is not None
+    calls = []
+    monkeypatch.setattr(type(decoder), "takes", lambda self, hidden, meta, takes=type(
+        decoder).takes: calls.append(takes(self, hidden, meta)) or calls[-1])
+    prompts = [[5, 9, 13, 2, 7, 30, 41, 8, 3], [11, 4, 6], [8] * 70]
+    steps = [[(i, 0, p) for i, p in enumerate(prompts)]]  # 82 rows: the layer loop
+    length = [len(p) for p in prompts]
+    for rows in (3, 3, 2, 1, 1):  # decodes of 3, 2 and 1 rows: the native decoder
+        steps.append([(i, length[i], [17 + i + length[i]]) for i in range(rows)])
+        for i in range(rows):
+            length[i] += 1
+    fused = _step_logits(runner, steps)
+    assert calls == [False, True, True, True, True, True]
+    runner.model.model.native_decoder = None
+    loop = _step_logits(runner, steps)
+    for step, (a, b) in enumerate(zip(fused, loop)):
+        assert torch.equal(a, b), f"step {step}: {(a - b).abs().max()}"
+
+
+def test_the_runner_weighs_the_native_decoder_against_the_plans_one_row_path(
+        tiny_qwen3_tied_dir, monkeypatch):
+    """Where the plan gives one-row calls to torch's `linear`, whole one-row steps are
+    timed both ways; the faster is kept, and the step's KV writes are cleared."""
+    from workers.engine.loader import load_checkpoint
+    from workers.engine.model_runner import ModelRunner
+    from workers.engine.models.layers import LinearBase
+
+    monkeypatch.setenv("LLMQ_CPU_KERNELS", "native")
+    runner = ModelRunner(load_checkpoint(tiny_qwen3_tied_dir, dtype="float32"),
+                         kv_cache_bytes=1 << 20, linear_path="split")
+    assert runner.decoder_rows == 0 and runner.decoder_probe == {}  # a fixed plan: no timing
+    forward = runner.forward_logits
+    for faster in ("decoder", "plan"):
+        def slowed(step, faster=faster):
+            on_decoder = runner.model.model.native_decoder is not None
+            time.sleep(0.002 if on_decoder == (faster == "decoder") else 0.02)
+            return forward(step)
+
+        monkeypatch.setattr(runner, "forward_logits", slowed)
+        runner._weigh_native_decoder(runner.model.use_native_decoder)
+        assert runner.skinny_rows == runner.decoder_rows == (1 if faster == "decoder" else 0)
+        chose = runner.decoder_probe["decoder"] < runner.decoder_probe["plan"]
+        assert chose == (faster == "decoder")
+        layers = [m for m in runner.model.modules() if isinstance(m, LinearBase)]
+        assert all(layer.skinny_rows == (1 if chose else 0) for layer in layers)
+        assert (runner.model.model.native_decoder is not None) == chose
+        assert not runner.kv_cache[0].any()

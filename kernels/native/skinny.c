@@ -18,6 +18,7 @@
 #include <omp.h>
 
 #include "bf16.h"
+#include "ops.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>

@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "ops.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>

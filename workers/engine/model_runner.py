@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
 import time
 from collections.abc import Callable
 
@@ -103,6 +104,21 @@ class ModelRunner:
                 self.chunks_as_decodes = native.CHUNK_AS_DECODES_TOKENS
             else:
                 native.unregister()
+        # decode steps of at most this many rows run every layer as one native call
+        self.decoder_rows = 0
+        # seconds of a one-row step on the plan's path and with the native decoder, when
+        # the start-up timing weighed the two
+        self.decoder_probe: dict[str, float] = {}
+        use_decoder = getattr(self.model, "use_native_decoder", None)
+        if self.step_kernels == "native" and use_decoder is not None:
+            if self.skinny_rows:
+                self.decoder_rows = use_decoder(self.skinny_rows)
+            elif self.linear_probe and self.linear_path in ("reference", "split") \
+                    and native.available():
+                self._weigh_native_decoder(use_decoder)
+            if self.decoder_rows:
+                logger.info("decode steps of up to %d rows: every layer in one native call",
+                            self.decoder_rows)
         dispatch.log_choices(self.device.type)
         logger.info("KV cache: %d blocks of %d tokens (%d bytes each) on %s", num_blocks,
                     block_size, self._bytes_per_block, self.device)
@@ -122,6 +138,46 @@ class ModelRunner:
                     "(ms per pass): %s", self.device, self.dtype, torch.get_num_threads(),
                     len(weights), probe_seconds, dense.describe_times(times))
         return plan
+
+    def _weigh_native_decoder(self, use_decoder: Callable[[int], int],
+                              rounds: int = 5) -> None:
+        """The timed plan gave one-row calls to another path than the native kernel; the
+        native decoder, which runs on that kernel, may still make a one-row decode step
+        faster, since it saves the Python between the calls that the per-call timing does
+        not see (fp32 on a Xeon with AMX: torch's `linear` reads 5% faster per call, and
+        a step runs 17 against 22 ms with the decoder). Time whole one-row steps both ways,
+        alternating (medians), and keep the faster.
+
+        Needs the plain weights (a plan that kept them: torch's `linear` or a split)."""
+        from tasks.params import SamplingParams
+
+        step = SchedulerOutput([ScheduledSequence(
+            seq_id=0, token_ids=[0], start_pos=0, block_table=[0], sample=True,
+            params=SamplingParams(temperature=0.0, max_tokens=1), prompt_token_ids=[],
+            output_token_ids=[])], 1)
+
+        def use(decoder: bool) -> None:
+            use_native_kernel(self.model, 1 if decoder else 0)
+            use_decoder(1 if decoder else 0)
+
+        started = time.perf_counter()
+        times: dict[str, list[float]] = {"plan": [], "decoder": []}
+        for round_ in range(rounds + 1):
+            for name in ("decoder", "plan") if round_ % 2 else ("plan", "decoder"):
+                use(name == "decoder")
+                t = time.perf_counter()
+                self.forward_logits(step)
+                if round_:  # the first round warms both up
+                    times[name].append(time.perf_counter() - t)
+        self.kv_cache[0].zero_()
+        self.decoder_probe = {name: statistics.median(ts) for name, ts in times.items()}
+        faster = self.decoder_probe["decoder"] < self.decoder_probe["plan"]
+        use(faster)
+        self.skinny_rows = self.decoder_rows = 1 if faster else 0
+        logger.info("one-row decode step: %.2f ms on the plan's path, %.2f ms on the native "
+                    "kernel with the native decoder (timed in %.1f s): %s",
+                    self.decoder_probe["plan"] * 1e3, self.decoder_probe["decoder"] * 1e3,
+                    time.perf_counter() - started, "native" if faster else "the plan's path")
 
     def _apply_linear_plan(self, plan: dense.LinearPlan) -> None:
         if plan.skinny_rows and not native.available():

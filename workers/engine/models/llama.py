@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import kernels
+from kernels import native
 from kernels.attention import AttentionMetadata
 from kernels.rotary import rope_cos_sin_cache, rope_inv_freq
 from workers.engine.models.config import ModelConfig
@@ -143,12 +144,59 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
 
+    # decode steps it takes run every layer as one native call (`use_native_decoder`)
+    native_decoder: native.NativeDecoder | None = None
+
+    def use_native_decoder(self, max_rows: int) -> int:
+        """Run decode steps of up to `max_rows` rows as one native call over all layers
+        (kernels.native.NativeDecoder), fewer where a projection sends such calls to
+        another path than the native kernel; returns the rows it takes (0: none, and the
+        layer loop stays). Call once the linear plan is applied."""
+        self.native_decoder = None
+        rows = max_rows
+        layers = []
+        eps = {self.layers[0].input_layernorm.eps}
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            # the row-parallel layers add a bias after the product, rounded apart
+            if attn.o_proj.bias is not None or mlp.down_proj.bias is not None:
+                return 0
+            for p in projections:
+                if p.tp_size != 1 or p.weight.is_mkldnn:
+                    return 0
+                rows = min(rows, p.skinny_rows if p.packed_weight is None
+                           else min(p.skinny_rows, p.plain_rows))
+            norms = [layer.input_layernorm, layer.post_attention_layernorm]
+            if attn.q_norm is not None:
+                norms += [attn.q_norm, attn.k_norm]
+            eps.update(n.eps for n in norms)
+            layers.append({
+                "input_norm": layer.input_layernorm.weight, "qkv": attn.qkv_proj.weight,
+                "qkv_bias": attn.qkv_proj.bias,
+                "q_norm": None if attn.q_norm is None else attn.q_norm.weight,
+                "k_norm": None if attn.k_norm is None else attn.k_norm.weight,
+                "o": attn.o_proj.weight, "post_norm": layer.post_attention_layernorm.weight,
+                "gate_up": mlp.gate_up_proj.weight, "gate_up_bias": mlp.gate_up_proj.bias,
+                "down": mlp.down_proj.weight})
+        if rows < 1 or len(eps) != 1:
+            return 0
+        attn = self.layers[0].self_attn
+        self.native_decoder = native.NativeDecoder(
+            layers, heads=attn.num_heads, kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+            eps=eps.pop(), max_rows=rows)
+        return rows
+
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, hidden.dtype)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(hidden, residual, cos, sin, meta)
+        decoder = self.native_decoder
+        if decoder is not None and decoder.takes(hidden, meta):
+            hidden, residual = decoder(hidden, cos, sin, meta)
+        else:
+            residual = None
+            for layer in self.layers:
+                hidden, residual = layer(hidden, residual, cos, sin, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -175,6 +223,10 @@ class LlamaForCausalLM(nn.Module):
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [num_tokens] -> hidden states [num_tokens, hidden_size]."""
         return self.model(input_ids, positions, attn_metadata)
+
+    def use_native_decoder(self, max_rows: int) -> int:
+        """See `LlamaModel.use_native_decoder`."""
+        return self.model.use_native_decoder(max_rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] -> float32 logits [n, vocab_size]."""
