@@ -388,16 +388,26 @@ def _step_logits(runner, steps) -> list[torch.Tensor]:
     return logits
 
 
+@pytest.mark.parametrize("march", ["native", "x86-64-v3"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
 def test_decode_steps_in_one_native_call_equal_the_layer_loop_bit_for_bit(
-        arch, dtype, request, monkeypatch):
+        arch, dtype, march, request, monkeypatch):
     """The decode steps the native decoder takes (every row a decode, at most its rows)
     give exactly the layer-by-layer path's logits: Qwen3's per-head norms, Qwen2's QKV
-    bias, Llama's plain layers; prompts and steps of more rows stay on the layer loop."""
+    bias, Llama's plain layers; prompts and steps of more rows stay on the layer loop.
+    Also on the AVX2 build (x86-64-v3), which an AVX-512 machine never runs otherwise."""
+    import platform
+
     from workers.engine.loader import load_checkpoint
     from workers.engine.model_runner import NATIVE_ROWS, ModelRunner
 
+    if march != "native":
+        if platform.machine() != "x86_64":
+            pytest.skip("the baseline builds are for x86_64")
+        baseline = native.build(march)
+        assert baseline is not None
+        monkeypatch.setattr(native, "_library", lambda: baseline)
     monkeypatch.setenv("LLMQ_CPU_KERNELS", "native")
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     runner = ModelRunner(load_checkpoint(model_dir, dtype=dtype), block_size=4,
