@@ -200,12 +200,12 @@ def main() -> None:
     print(f"linear path chosen at start-up: {runner.linear_path}, native kernel up to "
           f"{runner.skinny_rows} rows, plain weights up to {runner.plain_rows} rows (ms per "
           f"pass over the model's weights: {probe or 'not measured'})")
-    weighed = runner.decoder_probe
+    weighed = ", ".join(f"{rows} rows {t['plan'] * 1e3:.2f} / {t['decoder'] * 1e3:.2f}"
+                        for rows, t in runner.decoder_probe.items())
     print(f"native decoder (every layer in one call): decode steps of up to "
           f"{runner.decoder_rows} rows" + (
-              f" (one-row step timed at start-up: {weighed['plan'] * 1e3:.2f} ms on the "
-              f"plan's path, {weighed['decoder'] * 1e3:.2f} ms with the decoder)"
-              if weighed else ""))
+              f" (ms per step timed at start-up, the plan's paths / with the decoder: "
+              f"{weighed})" if weighed else ""))
     print("read bandwidth " + ", ".join(f"{reads[t] / 1e9:.2f} GB/s on {t} thread(s)"
                                          for t in reads)
           + f"; copy bandwidth {bandwidth / 1e9:.2f} GB/s (read+write)")

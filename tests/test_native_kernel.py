@@ -144,12 +144,15 @@ def test_the_runner_times_three_paths_and_applies_the_plan(tiny_qwen3_tied_dir, 
     assert all(set(by_path) == paths and
                all(t > 0 for t in by_path.values()) for by_path in times.values())
     plan = dense.choose_plan(times)
-    assert (runner.linear_path, runner.plain_rows) == (plan.name, plan.plain_rows)
+    assert runner.linear_path == plan.name
     # one-row calls the plan gave elsewhere go native when the native decoder won the
-    # whole-step timing that follows
-    assert runner.skinny_rows == plan.skinny_rows or (
-        plan.skinny_rows == 0 and runner.skinny_rows == 1
-        and runner.decoder_probe["decoder"] < runner.decoder_probe["plan"])
+    # whole-step timing that follows (and the row counts above where native was fastest)
+    if runner.skinny_rows == plan.skinny_rows:
+        assert runner.plain_rows == plan.plain_rows
+    else:
+        assert plan.skinny_rows == 0 and runner.skinny_rows >= 1
+        assert runner.decoder_probe["decoder"] < runner.decoder_probe["plan"]
+        assert runner.plain_rows in (None, max(plan.plain_rows or 0, runner.skinny_rows))
     layers = [m for m in loaded.model.modules() if isinstance(m, LinearBase | ParallelLMHead)]
     assert all(layer.skinny_rows == runner.skinny_rows for layer in layers)
     assert all((layer.packed_weight is not None or layer.weight.is_mkldnn) == plan.prepack
@@ -432,31 +435,38 @@ def test_decode_steps_in_one_native_call_equal_the_layer_loop_bit_for_bit(
         assert torch.equal(a, b), f"step {step}: {(a - b).abs().max()}"
 
 
-def test_the_runner_weighs_the_native_decoder_against_the_plans_one_row_path(
+def test_the_runner_gives_the_native_decoder_the_row_counts_where_whole_steps_run_faster(
         tiny_qwen3_tied_dir, monkeypatch):
-    """Where the plan gives one-row calls to torch's `linear`, whole one-row steps are
-    timed both ways; the faster is kept, and the step's KV writes are cleared."""
+    """After the plan, whole decode steps of 1, 2, 4, ... rows are timed on the plan's
+    paths and with the native decoder; it takes the row counts where it is faster, up to
+    the first where it is not, the native kernel the same rows (a split's plain weight
+    reaching them), and the steps' KV writes are cleared."""
     from workers.engine.loader import load_checkpoint
     from workers.engine.model_runner import ModelRunner
     from workers.engine.models.layers import LinearBase
 
     monkeypatch.setenv("LLMQ_CPU_KERNELS", "native")
-    runner = ModelRunner(load_checkpoint(tiny_qwen3_tied_dir, dtype="float32"),
-                         kv_cache_bytes=1 << 20, linear_path="split")
-    assert runner.decoder_rows == 0 and runner.decoder_probe == {}  # a fixed plan: no timing
-    forward = runner.forward_logits
-    for faster in ("decoder", "plan"):
-        def slowed(step, faster=faster):
-            on_decoder = runner.model.model.native_decoder is not None
-            time.sleep(0.002 if on_decoder == (faster == "decoder") else 0.02)
+    for decoder_wins_to, rows in ((4, 4), (0, 0)):
+        runner = ModelRunner(load_checkpoint(tiny_qwen3_tied_dir, dtype="float32"),
+                             kv_cache_bytes=1 << 20, linear_path="split")
+        assert runner.decoder_rows == 0 and runner.decoder_probe == {}  # fixed: no timing
+        layers = [m for m in runner.model.modules() if isinstance(m, LinearBase)]
+        assert all(layer.plain_rows == 1 and layer.skinny_rows == 0 for layer in layers)
+        runner.linear_probe = {m: {"reference": 1.0, "prepacked": 1.0, "native": 1.0}
+                               for m in dense.PROBE_BATCH_SIZES}
+
+        def timed(step, runner=runner, forward=runner.forward_logits, wins_to=decoder_wins_to):
+            decoder = runner.model.model.native_decoder
+            rows = len(step.scheduled)
+            on_decoder = decoder is not None and rows <= decoder.max_rows
+            time.sleep(0.002 if on_decoder == (rows <= wins_to) else 0.02)
             return forward(step)
 
-        monkeypatch.setattr(runner, "forward_logits", slowed)
+        monkeypatch.setattr(runner, "forward_logits", timed)
         runner._weigh_native_decoder(runner.model.use_native_decoder)
-        assert runner.skinny_rows == runner.decoder_rows == (1 if faster == "decoder" else 0)
-        chose = runner.decoder_probe["decoder"] < runner.decoder_probe["plan"]
-        assert chose == (faster == "decoder")
-        layers = [m for m in runner.model.modules() if isinstance(m, LinearBase)]
-        assert all(layer.skinny_rows == (1 if chose else 0) for layer in layers)
-        assert (runner.model.model.native_decoder is not None) == chose
-        assert not runner.kv_cache[0].any()
+        assert list(runner.decoder_probe) == ([1, 2, 4, 8] if rows else [1])
+        assert runner.decoder_rows == runner.skinny_rows == rows
+        assert (runner.model.model.native_decoder is not None) == bool(rows)
+        assert all(layer.skinny_rows == rows and layer.plain_rows == max(1, rows)
+                   for layer in layers)
+        assert not runner.kv_cache.any()

@@ -19,7 +19,13 @@ from kernels import linear as dense
 from kernels import native
 from kernels.attention import build_attention_metadata
 from workers.engine.loader import LoadedCheckpoint
-from workers.engine.models.layers import prepack_linears, probe_weights, use_native_kernel
+from workers.engine.models.layers import (
+    LinearBase,
+    ParallelLMHead,
+    prepack_linears,
+    probe_weights,
+    use_native_kernel,
+)
 from workers.engine.step_io import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -28,6 +34,9 @@ LINEAR_PATH_ENV = "LLMQ_LINEAR_PATH"
 LINEAR_PATHS = ("auto", "prepacked", "reference", "split", "native")
 # the rows the native kernel takes when `native` is asked for by name
 NATIVE_ROWS = 4
+# a decode step slower than this at start-up (a large model) is timed in fewer rounds when
+# the native decoder is weighed
+SLOW_STEP_SECONDS = 0.25
 
 
 class ModelRunner:
@@ -106,15 +115,14 @@ class ModelRunner:
                 native.unregister()
         # decode steps of at most this many rows run every layer as one native call
         self.decoder_rows = 0
-        # seconds of a one-row step on the plan's path and with the native decoder, when
-        # the start-up timing weighed the two
-        self.decoder_probe: dict[str, float] = {}
+        # per row count, the seconds of a decode step on the plan's paths ("plan") and
+        # with the native decoder ("decoder"), when the start-up timing weighed the two
+        self.decoder_probe: dict[int, dict[str, float]] = {}
         use_decoder = getattr(self.model, "use_native_decoder", None)
         if self.step_kernels == "native" and use_decoder is not None:
             if self.skinny_rows:
                 self.decoder_rows = use_decoder(self.skinny_rows)
-            elif self.linear_probe and self.linear_path in ("reference", "split") \
-                    and native.available():
+            if self.linear_probe and self.linear_path != "prepacked" and native.available():
                 self._weigh_native_decoder(use_decoder)
             if self.decoder_rows:
                 logger.info("decode steps of up to %d rows: every layer in one native call",
@@ -141,43 +149,75 @@ class ModelRunner:
 
     def _weigh_native_decoder(self, use_decoder: Callable[[int], int],
                               rounds: int = 5) -> None:
-        """The timed plan gave one-row calls to another path than the native kernel; the
-        native decoder, which runs on that kernel, may still make a one-row decode step
-        faster, since it saves the Python between the calls that the per-call timing does
-        not see (fp32 on a Xeon with AMX: torch's `linear` reads 5% faster per call, and
-        a step runs 17 against 22 ms with the decoder). Time whole one-row steps both ways,
-        alternating (medians), and keep the faster.
+        """Decide how many rows the native decoder takes by timing whole decode steps:
+        for each probed row count above those the plan already gives the native kernel,
+        a step on the current paths against one on the native kernel with the decoder,
+        alternating (medians). The decoder takes each row count where it is faster, up to
+        the first where it is not; the native kernel takes the same rows.
 
-        Needs the plain weights (a plan that kept them: torch's `linear` or a split)."""
+        Why whole steps: the decoder saves the Python between a step's calls, which the
+        per-call probe cannot see. fp32 on a Xeon with AMX: torch's `linear` reads 5%
+        faster per call at one row, yet a one-row step runs 17 against 22-24 ms with the
+        decoder (docs/benchmarks.md, "CPU speed").
+
+        Needs the plain weights: a plan that kept them (not "prepacked" alone)."""
         from tasks.params import SamplingParams
 
-        step = SchedulerOutput([ScheduledSequence(
-            seq_id=0, token_ids=[0], start_pos=0, block_table=[0], sample=True,
-            params=SamplingParams(temperature=0.0, max_tokens=1), prompt_token_ids=[],
-            output_token_ids=[])], 1)
+        split = {module: module.plain_rows for module in self.model.modules()
+                 if isinstance(module, LinearBase | ParallelLMHead)
+                 and module.packed_weight is not None}
 
-        def use(decoder: bool) -> None:
-            use_native_kernel(self.model, 1 if decoder else 0)
-            use_decoder(1 if decoder else 0)
+        def use(rows: int) -> int:
+            """the native kernel and the decoder up to `rows` rows (0: the plan's paths);
+            a split's plain weight must reach them, as the prepacked copy is asked first"""
+            use_native_kernel(self.model, rows)
+            for module, plain_rows in split.items():
+                module.plain_rows = max(plain_rows, rows)
+            return use_decoder(rows)
 
+        accepted = self.decoder_rows  # the rows the plan gave the native kernel
+        if use(max(accepted, 1)) == 0:  # the model cannot run the decoder
+            use(accepted)
+            return
+        params = SamplingParams(temperature=0.0, max_tokens=1)
         started = time.perf_counter()
-        times: dict[str, list[float]] = {"plan": [], "decoder": []}
-        for round_ in range(rounds + 1):
-            for name in ("decoder", "plan") if round_ % 2 else ("plan", "decoder"):
-                use(name == "decoder")
-                t = time.perf_counter()
-                self.forward_logits(step)
-                if round_:  # the first round warms both up
-                    times[name].append(time.perf_counter() - t)
-        self.kv_cache[0].zero_()
-        self.decoder_probe = {name: statistics.median(ts) for name, ts in times.items()}
-        faster = self.decoder_probe["decoder"] < self.decoder_probe["plan"]
-        use(faster)
-        self.skinny_rows = self.decoder_rows = 1 if faster else 0
-        logger.info("one-row decode step: %.2f ms on the plan's path, %.2f ms on the native "
-                    "kernel with the native decoder (timed in %.1f s): %s",
-                    self.decoder_probe["plan"] * 1e3, self.decoder_probe["decoder"] * 1e3,
-                    time.perf_counter() - started, "native" if faster else "the plan's path")
+        for rows in sorted(m for m in self.linear_probe if m > accepted):
+            if rows > min(self.max_num_seqs, self.num_blocks):
+                break
+            # one new token per sequence, each in its own block: a step of decode rows
+            step = SchedulerOutput([ScheduledSequence(
+                seq_id=i, token_ids=[0], start_pos=0, block_table=[i], sample=True,
+                params=params, prompt_token_ids=[], output_token_ids=[])
+                for i in range(rows)], rows)
+            times: dict[str, list[float]] = {"plan": [], "decoder": []}
+            round_ = 0
+            while round_ <= rounds:
+                for name in ("decoder", "plan") if round_ % 2 else ("plan", "decoder"):
+                    use(rows if name == "decoder" else accepted)
+                    t = time.perf_counter()
+                    self.forward_logits(step)
+                    seconds = time.perf_counter() - t
+                    if round_:  # the first round warms both up
+                        times[name].append(seconds)
+                    elif seconds > SLOW_STEP_SECONDS:  # a large model: fewer rounds
+                        rounds = min(rounds, 2)
+                round_ += 1
+            self.decoder_probe[rows] = {name: statistics.median(ts)
+                                        for name, ts in times.items()}
+            self.kv_cache[:rows].zero_()
+            if self.decoder_probe[rows]["decoder"] >= self.decoder_probe[rows]["plan"]:
+                break
+            accepted = rows
+        self.decoder_rows = use(accepted)
+        if accepted > self.skinny_rows:
+            self.skinny_rows = accepted
+            if self.plain_rows is not None:
+                self.plain_rows = max(self.plain_rows, accepted)
+        logger.info("decode steps timed on the plan's paths / with the native decoder (ms, "
+                    "in %.1f s): %s; the decoder takes up to %d rows",
+                    time.perf_counter() - started,
+                    ", ".join(f"{rows} rows {t['plan'] * 1e3:.2f} / {t['decoder'] * 1e3:.2f}"
+                              for rows, t in self.decoder_probe.items()), self.decoder_rows)
 
     def _apply_linear_plan(self, plan: dense.LinearPlan) -> None:
         if plan.skinny_rows and not native.available():
