@@ -28,6 +28,7 @@
 #endif
 
 #define MR 4   /* x rows per pass over a block */
+#define NR 4   /* weight rows per tile (tile_*_rows) */
 
 /* Software prefetch ahead of the weight stream, into L2. One sequential stream per core
  * is bound by how many misses the core keeps in flight, not by the memory: on a Xeon
@@ -134,7 +135,6 @@ static ALWAYS_INLINE void block_f32_rows(const float *x, const float *w, float *
  * stream, bound a call; one weight row at a time (block_f32_rows) issues a load for each
  * multiply-add, this one half a load (16 rows x 4096 x 768 twelve times, 2 threads:
  * 11.7 -> 9.1 ms on a Xeon with AMX, docs/benchmarks.md). out: [mr][NR]. */
-#define NR 4
 static ALWAYS_INLINE void tile_f32_rows(const float *x, const float *w, float *out,
                                         int64_t K, int64_t mr, int64_t ldx) {
     __m512 acc[MR][NR];
@@ -228,6 +228,41 @@ static ALWAYS_INLINE void block_bf16_rows(const uint16_t *x, const uint16_t *w,
 }
 #endif
 
+#if defined(__AVX512BF16__)
+/* tile_f32_rows for bf16: NR weight rows with `mr` rows of x, vdpbf16ps on 32 pairs a
+ * vector; the tail widened to fp32 16 at a time, as block_bf16_rows does */
+static ALWAYS_INLINE void tile_bf16_rows(const uint16_t *x, const uint16_t *w, float *out,
+                                         int64_t K, int64_t mr, int64_t ldx) {
+    __m512 acc[MR][NR];
+    for (int64_t i = 0; i < mr; ++i)
+        for (int64_t j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        __m512bh wv[NR];
+        for (int64_t j = 0; j < NR; ++j) {
+            PREFETCH_LINE((const char *)(w + j * K + k) + PREFETCH_BYTES);
+            wv[j] = (__m512bh)_mm512_loadu_si512(w + j * K + k);
+        }
+        for (int64_t i = 0; i < mr; ++i) {
+            __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * ldx + k);
+            for (int64_t j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+        }
+    }
+    for (; k < K; k += 16) {
+        int64_t left = K - k < 16 ? K - k : 16;
+        __mmask16 m = (__mmask16)((1u << left) - 1);
+        __m512 wv[NR];
+        for (int64_t j = 0; j < NR; ++j) wv[j] = widen_bf16_masked(w + j * K + k, m);
+        for (int64_t i = 0; i < mr; ++i) {
+            __m512 xv = widen_bf16_masked(x + i * ldx + k, m);
+            for (int64_t j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+        }
+    }
+    for (int64_t i = 0; i < mr; ++i)
+        for (int64_t j = 0; j < NR; ++j) out[i * NR + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+#endif
+
 /* x rows of type XT, a weight row of type WT */
 #define BY_ROW_COUNT(name, XT, WT)                                                        \
     static void name(const XT *x, const WT *w, float *out, int64_t K, int64_t mr,         \
@@ -243,6 +278,9 @@ BY_ROW_COUNT(block_f32, float, float)
 BY_ROW_COUNT(block_bf16, uint16_t, uint16_t)
 #if defined(__AVX512F__)
 BY_ROW_COUNT(tile_f32, float, float)
+#endif
+#if defined(__AVX512BF16__)
+BY_ROW_COUNT(tile_bf16, uint16_t, uint16_t)
 #endif
 #if defined(SKINNY_AVX2)
 BY_ROW_COUNT(block_bf16f, float, uint16_t)
@@ -279,46 +317,45 @@ BY_ROW_COUNT(block_bf16f, float, uint16_t)
     } while (0)
 #define SAME_F32(v) (v)
 
-#if defined(__AVX512F__)
-/* SKINNY_LOOP over tiles of NR weight rows (tile_f32); a thread's run is whole tiles, the
- * last thread's also the N % NR rows left, one at a time */
-static void skinny_f32_tiles(const float *x, const float *w, const float *bias, float *y,
-                             int64_t M, int64_t N, int64_t K, int64_t ldx, int threads) {
-    if (N * K < SERIAL_ELEMENTS) threads = 1;
-    _Pragma("omp parallel num_threads(threads)")
-    {
-        int64_t team = omp_get_num_threads(), me = omp_get_thread_num(), tiles = N / NR;
-        int64_t first = tiles * me / team * NR;
-        int64_t end = me == team - 1 ? N : tiles * (me + 1) / team * NR;
-        prefetch_run(w + first * K, (end - first) * K * (int64_t)sizeof(float));
-        int64_t n = first;
-        for (; n + NR <= end; n += NR)
-            for (int64_t m = 0; m < M; m += MR) {
-                int64_t mr = M - m < MR ? M - m : MR;
-                float part[MR * NR];
-                tile_f32(x + m * ldx, w + n * K, part, K, mr, ldx);
-                for (int64_t i = 0; i < mr; ++i)
-                    for (int64_t j = 0; j < NR; ++j)
-                        y[(m + i) * N + n + j] = part[i * NR + j] + (bias ? bias[n + j] : 0.f);
-            }
-        for (; n < end; ++n)
-            for (int64_t m = 0; m < M; m += MR) {
-                int64_t mr = M - m < MR ? M - m : MR;
-                float part[MR];
-                block_f32(x + m * ldx, w + n * K, part, K, mr, ldx);
-                for (int64_t i = 0; i < mr; ++i)
-                    y[(m + i) * N + n] = part[i] + (bias ? bias[n] : 0.f);
-            }
-    }
-}
-#endif
+/* SKINNY_LOOP over tiles of NR weight rows (TILE); a thread's run is whole tiles, the last
+ * thread's also the N % NR rows left, one at a time (BLOCK) */
+#define SKINNY_TILES(TILE, BLOCK, TO_F32, FROM_F32)                                       \
+    do {                                                                                  \
+        if (N * K < SERIAL_ELEMENTS) threads = 1;                                         \
+        _Pragma("omp parallel num_threads(threads)")                                      \
+        {                                                                                 \
+            int64_t team = omp_get_num_threads(), me = omp_get_thread_num();              \
+            int64_t tiles = N / NR, first = tiles * me / team * NR;                       \
+            int64_t end = me == team - 1 ? N : tiles * (me + 1) / team * NR;              \
+            prefetch_run(w + first * K, (end - first) * K * (int64_t)sizeof(*w));         \
+            int64_t n = first;                                                            \
+            for (; n + NR <= end; n += NR)                                                \
+                for (int64_t m = 0; m < M; m += MR) {                                     \
+                    int64_t mr = M - m < MR ? M - m : MR;                                 \
+                    float part[MR * NR];                                                  \
+                    TILE(x + m * ldx, w + n * K, part, K, mr, ldx);                       \
+                    for (int64_t i = 0; i < mr; ++i)                                      \
+                        for (int64_t j = 0; j < NR; ++j)                                  \
+                            y[(m + i) * N + n + j] = FROM_F32(                            \
+                                part[i * NR + j] + (bias ? TO_F32(bias[n + j]) : 0.f));   \
+                }                                                                         \
+            for (; n < end; ++n)                                                          \
+                for (int64_t m = 0; m < M; m += MR) {                                     \
+                    int64_t mr = M - m < MR ? M - m : MR;                                 \
+                    float part[MR];                                                       \
+                    BLOCK(x + m * ldx, w + n * K, part, K, mr, ldx);                      \
+                    for (int64_t i = 0; i < mr; ++i)                                      \
+                        y[(m + i) * N + n] = FROM_F32(part[i] + (bias ? TO_F32(bias[n]) : 0.f)); \
+                }                                                                         \
+        }                                                                                 \
+    } while (0)
 
 /* x [M, K] (row stride ldx), w [N, K] contiguous, bias [N] or NULL, y [M, N] contiguous */
 void llmq_skinny_f32(const float *x, const float *w, const float *bias, float *y, int64_t M,
                      int64_t N, int64_t K, int64_t ldx, int threads) {
 #if defined(__AVX512F__)
     if (M >= 2) {
-        skinny_f32_tiles(x, w, bias, y, M, N, K, ldx, threads);
+        SKINNY_TILES(tile_f32, block_f32, SAME_F32, SAME_F32);
         return;
     }
 #endif
@@ -340,6 +377,12 @@ void llmq_skinny_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias
         return;
     }
     /* out of memory for the widened copy: the plain loops below */
+#endif
+#if defined(__AVX512BF16__)
+    if (M >= 2) {
+        SKINNY_TILES(tile_bf16, block_bf16, bf16_to_float, float_to_bf16);
+        return;
+    }
 #endif
     SKINNY_LOOP(block_bf16, x, ldx, uint16_t, bf16_to_float, float_to_bf16);
 }
