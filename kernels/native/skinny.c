@@ -1,11 +1,13 @@
 /* y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for few rows m: the decode step's
  * projections, which read every weight once per step and are bound by memory bandwidth.
  *
- * The weight stays in its checkpoint layout (row-major [N, K]); four weight rows are
- * streamed side by side and each is dotted with every row of x while it is in registers,
- * so a weight byte is read from memory once per call whatever M is. Sums are fp32; a bf16
- * output is rounded to nearest even. Threads split the output features (OpenMP: the same
- * runtime torch's CPU ops use, shared when both are loaded in one process).
+ * The weight stays in its checkpoint layout (row-major [N, K]) and is read as one
+ * sequential stream per thread, prefetched ahead; each weight row is dotted with every
+ * row of x while it is in registers (one row of x: a row at a time; more, with AVX-512:
+ * tiles of four weight rows), so a weight byte is read from memory once per call
+ * whatever M is. Sums are fp32; a bf16 output is rounded to nearest even. Threads split
+ * the output features (OpenMP: the same runtime torch's CPU ops use, shared when both
+ * are loaded in one process).
  *
  * Built at first use by kernels/native.py with -march=native: the AVX-512 paths are
  * compiled only where the building CPU has them, the AVX2 paths where it has AVX2 and FMA
