@@ -6,6 +6,7 @@ hands its new K/V and the step's `AttentionMetadata` to the kernels.
 
 from __future__ import annotations
 
+import logging
 from typing import ClassVar
 
 import torch
@@ -24,6 +25,8 @@ from workers.engine.models.layers import (
     VocabParallelEmbedding,
     default_weight_loader,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -182,9 +185,13 @@ class LlamaModel(nn.Module):
         if rows < 1 or len(eps) != 1:
             return 0
         attn = self.layers[0].self_attn
-        self.native_decoder = native.NativeDecoder(
-            layers, heads=attn.num_heads, kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
-            eps=eps.pop(), max_rows=rows)
+        try:
+            self.native_decoder = native.NativeDecoder(
+                layers, heads=attn.num_heads, kv_heads=attn.num_kv_heads,
+                head_dim=attn.head_dim, eps=eps.pop(), max_rows=rows)
+        except (ValueError, RuntimeError) as exc:  # a dtype or layout it does not take
+            logger.warning("native decoder not used: %s", exc)
+            return 0
         return rows
 
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
