@@ -3,8 +3,8 @@
  *
  * The weight stays in its checkpoint layout (row-major [N, K]) and is read as one
  * sequential stream per thread, prefetched ahead; each weight row is dotted with every
- * row of x while it is in registers (one row of x: a row at a time; more, with AVX-512:
- * tiles of four weight rows), so a weight byte is read from memory once per call
+ * row of x while it is in registers (one row of x: a row at a time; more: tiles of four
+ * weight rows with AVX-512, two with AVX2), so a weight byte is read from memory once per call
  * whatever M is. Sums are fp32; a bf16 output is rounded to nearest even. Threads split
  * the output features (OpenMP: the same runtime torch's CPU ops use, shared when both
  * are loaded in one process).
@@ -118,6 +118,39 @@ static ALWAYS_INLINE void block_f32_rows(const float *x, const float *w, float *
 #define WIDEN_uint16_t(v) bf16_to_float(v)
 AVX2_BLOCK(block_f32_rows, float, _mm256_loadu_ps)
 AVX2_BLOCK(block_bf16f_rows, uint16_t, load8_bf16)
+
+/* tiles of NR_AVX2 weight rows with `mr` rows of x (see tile_f32_rows): 16 registers hold
+ * MR x 2 sums, the two weight vectors and an x vector */
+#define NR_AVX2 2
+#define AVX2_TILE(name, WT, LOAD_W)                                                       \
+    static ALWAYS_INLINE void name(const float *x, const WT *w, float *out, int64_t K,    \
+                                   int64_t mr, int64_t ldx) {                             \
+        __m256 acc[MR][NR_AVX2];                                                          \
+        for (int64_t i = 0; i < mr; ++i)                                                  \
+            for (int64_t j = 0; j < NR_AVX2; ++j) acc[i][j] = _mm256_setzero_ps();        \
+        int64_t k = 0;                                                                    \
+        for (; k + 8 <= K; k += 8) {                                                      \
+            __m256 wv[NR_AVX2];                                                           \
+            for (int64_t j = 0; j < NR_AVX2; ++j) {                                       \
+                PREFETCH_LINE((const char *)(w + j * K + k) + PREFETCH_BYTES);            \
+                wv[j] = LOAD_W(w + j * K + k);                                            \
+            }                                                                             \
+            for (int64_t i = 0; i < mr; ++i) {                                            \
+                __m256 xv = _mm256_loadu_ps(x + i * ldx + k);                             \
+                for (int64_t j = 0; j < NR_AVX2; ++j)                                     \
+                    acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);                    \
+            }                                                                             \
+        }                                                                                 \
+        for (int64_t i = 0; i < mr; ++i)                                                  \
+            for (int64_t j = 0; j < NR_AVX2; ++j) {                                       \
+                float sum = reduce_add8(acc[i][j]);                                       \
+                for (int64_t t = k; t < K; ++t)                                           \
+                    sum += x[i * ldx + t] * WIDEN_##WT(w[j * K + t]);                     \
+                out[i * NR_AVX2 + j] = sum;                                               \
+            }                                                                             \
+    }
+AVX2_TILE(tile_f32_rows, float, _mm256_loadu_ps)
+AVX2_TILE(tile_bf16f_rows, uint16_t, load8_bf16)
 #else
 static ALWAYS_INLINE void block_f32_rows(const float *x, const float *w, float *out,
                                          int64_t K, int64_t mr, int64_t ldx) {
@@ -278,7 +311,7 @@ static ALWAYS_INLINE void tile_bf16_rows(const uint16_t *x, const uint16_t *w, f
     }
 BY_ROW_COUNT(block_f32, float, float)
 BY_ROW_COUNT(block_bf16, uint16_t, uint16_t)
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(SKINNY_AVX2)
 BY_ROW_COUNT(tile_f32, float, float)
 #endif
 #if defined(__AVX512BF16__)
@@ -286,6 +319,7 @@ BY_ROW_COUNT(tile_bf16, uint16_t, uint16_t)
 #endif
 #if defined(SKINNY_AVX2)
 BY_ROW_COUNT(block_bf16f, float, uint16_t)
+BY_ROW_COUNT(tile_bf16f, float, uint16_t)
 #endif
 
 /* ---- entry points ------------------------------------------------------------------ */
@@ -321,31 +355,31 @@ BY_ROW_COUNT(block_bf16f, float, uint16_t)
 
 /* SKINNY_LOOP over tiles of NR weight rows (TILE); a thread's run is whole tiles, the last
  * thread's also the N % NR rows left, one at a time (BLOCK) */
-#define SKINNY_TILES(TILE, BLOCK, TO_F32, FROM_F32)                                       \
+#define SKINNY_TILES(TILE, BLOCK, NRT, x, ldx, TO_F32, FROM_F32)                         \
     do {                                                                                  \
         if (N * K < SERIAL_ELEMENTS) threads = 1;                                         \
         _Pragma("omp parallel num_threads(threads)")                                      \
         {                                                                                 \
             int64_t team = omp_get_num_threads(), me = omp_get_thread_num();              \
-            int64_t tiles = N / NR, first = tiles * me / team * NR;                       \
-            int64_t end = me == team - 1 ? N : tiles * (me + 1) / team * NR;              \
+            int64_t tiles = N / NRT, first = tiles * me / team * NRT;                       \
+            int64_t end = me == team - 1 ? N : tiles * (me + 1) / team * NRT;              \
             prefetch_run(w + first * K, (end - first) * K * (int64_t)sizeof(*w));         \
             int64_t n = first;                                                            \
-            for (; n + NR <= end; n += NR)                                                \
+            for (; n + NRT <= end; n += NRT)                                                \
                 for (int64_t m = 0; m < M; m += MR) {                                     \
                     int64_t mr = M - m < MR ? M - m : MR;                                 \
-                    float part[MR * NR];                                                  \
-                    TILE(x + m * ldx, w + n * K, part, K, mr, ldx);                       \
+                    float part[MR * NRT];                                                  \
+                    TILE((x) + m * (ldx), w + n * K, part, K, mr, ldx);                       \
                     for (int64_t i = 0; i < mr; ++i)                                      \
-                        for (int64_t j = 0; j < NR; ++j)                                  \
+                        for (int64_t j = 0; j < NRT; ++j)                                  \
                             y[(m + i) * N + n + j] = FROM_F32(                            \
-                                part[i * NR + j] + (bias ? TO_F32(bias[n + j]) : 0.f));   \
+                                part[i * NRT + j] + (bias ? TO_F32(bias[n + j]) : 0.f));   \
                 }                                                                         \
             for (; n < end; ++n)                                                          \
                 for (int64_t m = 0; m < M; m += MR) {                                     \
                     int64_t mr = M - m < MR ? M - m : MR;                                 \
                     float part[MR];                                                       \
-                    BLOCK(x + m * ldx, w + n * K, part, K, mr, ldx);                      \
+                    BLOCK((x) + m * (ldx), w + n * K, part, K, mr, ldx);                      \
                     for (int64_t i = 0; i < mr; ++i)                                      \
                         y[(m + i) * N + n] = FROM_F32(part[i] + (bias ? TO_F32(bias[n]) : 0.f)); \
                 }                                                                         \
@@ -357,7 +391,12 @@ void llmq_skinny_f32(const float *x, const float *w, const float *bias, float *y
                      int64_t N, int64_t K, int64_t ldx, int threads) {
 #if defined(__AVX512F__)
     if (M >= 2) {
-        SKINNY_TILES(tile_f32, block_f32, SAME_F32, SAME_F32);
+        SKINNY_TILES(tile_f32, block_f32, NR, x, ldx, SAME_F32, SAME_F32);
+        return;
+    }
+#elif defined(SKINNY_AVX2)
+    if (M >= 2) {
+        SKINNY_TILES(tile_f32, block_f32, NR_AVX2, x, ldx, SAME_F32, SAME_F32);
         return;
     }
 #endif
@@ -374,7 +413,11 @@ void llmq_skinny_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias
     if (xf) {
         for (int64_t m = 0; m < M; ++m)
             for (int64_t k = 0; k < K; ++k) xf[m * K + k] = bf16_to_float(x[m * ldx + k]);
-        SKINNY_LOOP(block_bf16f, xf, K, uint16_t, bf16_to_float, float_to_bf16);
+        if (M >= 2)
+            SKINNY_TILES(tile_bf16f, block_bf16f, NR_AVX2, xf, K, bf16_to_float,
+                         float_to_bf16);
+        else
+            SKINNY_LOOP(block_bf16f, xf, K, uint16_t, bf16_to_float, float_to_bf16);
         free(xf);
         return;
     }
@@ -382,7 +425,7 @@ void llmq_skinny_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias
 #endif
 #if defined(__AVX512BF16__)
     if (M >= 2) {
-        SKINNY_TILES(tile_bf16, block_bf16, bf16_to_float, float_to_bf16);
+        SKINNY_TILES(tile_bf16, block_bf16, NR, x, ldx, bf16_to_float, float_to_bf16);
         return;
     }
 #endif
