@@ -146,8 +146,8 @@ def available() -> bool:
 
 
 def isa() -> str:
-    """Which of the kernel's code paths this CPU's build took ("avx512_bf16", "avx512f",
-    "avx2", "generic"), or "" when it is unavailable."""
+    """Which of the kernel's code paths this CPU's build took ("amx_bf16", "avx512_bf16",
+    "avx512f", "avx2", "generic"), or "" when it is unavailable."""
     library = _library()
     return library.isa if library else ""
 

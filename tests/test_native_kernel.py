@@ -27,12 +27,12 @@ def _built():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows, out_features, in_features", [
     (1, 7, 5), (2, 33, 31), (3, 64, 64), (4, 130, 96), (5, 100, 768), (9, 256, 200),
-    (1, 768, 2048)])
+    (1, 768, 2048), (18, 70, 64)])
 def test_the_kernel_equals_torch_linear_within_the_summation_order(dtype, rows, out_features,
                                                                    in_features):
-    """Every row count (4 x-rows per pass and the rest), feature counts that are and are not
-    multiples of the vector width, with and without bias, and x rows with a stride wider
-    than their length."""
+    """Every row count (4 x-rows per pass and the rest; on AMX, blocks of 16 and the rest),
+    feature counts that are and are not multiples of the vector width and of the tiles'
+    rows, with and without bias, and x rows with a stride wider than their length."""
     gen = torch.Generator().manual_seed(rows * 1000 + in_features)
     wide = torch.randn(rows, in_features + 3, generator=gen).to(dtype)
     x = wide[:, :in_features]  # rows strided by in_features + 3
