@@ -4,7 +4,8 @@
  * The weight stays in its checkpoint layout (row-major [N, K]) and is read as one
  * sequential stream per thread, prefetched ahead; each weight row is dotted with every
  * row of x while it is in registers (one row of x: a row at a time; more: tiles of four
- * weight rows with AVX-512, two with AVX2), so a weight byte is read from memory once per call
+ * weight rows with AVX-512, two with AVX2, and bf16 from five rows on AMX's tile multiply
+ * where the CPU has it), so a weight byte is read from memory once per call
  * whatever M is. Sums are fp32; a bf16 output is rounded to nearest even. Threads split
  * the output features (OpenMP: the same runtime torch's CPU ops use, shared when both
  * are loaded in one process).
