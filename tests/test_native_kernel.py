@@ -470,3 +470,24 @@ def test_the_runner_gives_the_native_decoder_the_row_counts_where_whole_steps_ru
         assert all(layer.skinny_rows == rows and layer.plain_rows == max(1, rows)
                    for layer in layers)
         assert not runner.kv_cache.any()
+
+
+def test_a_model_without_the_native_decoder_keeps_the_plans_native_rows(
+        tiny_qwen3_tied_dir, monkeypatch):
+    """Where the decoder cannot run (here: the model declines it), weighing it leaves the
+    plan as it was: the native kernel keeps the rows the plan gave it."""
+    from workers.engine.loader import load_checkpoint
+    from workers.engine.model_runner import NATIVE_ROWS, ModelRunner
+    from workers.engine.models.layers import LinearBase
+
+    monkeypatch.setenv("LLMQ_CPU_KERNELS", "native")
+    runner = ModelRunner(load_checkpoint(tiny_qwen3_tied_dir, dtype="float32"),
+                         kv_cache_bytes=1 << 20, linear_path="native")
+    runner.linear_probe = {m: {"reference": 1.0, "prepacked": 1.0, "native": 1.0}
+                           for m in dense.PROBE_BATCH_SIZES}
+    runner.decoder_rows = 0
+    runner._weigh_native_decoder(lambda rows: 0)
+    layers = [m for m in runner.model.modules() if isinstance(m, LinearBase)]
+    assert runner.skinny_rows == NATIVE_ROWS and runner.decoder_rows == 0
+    assert all(layer.skinny_rows == NATIVE_ROWS for layer in layers)
+    assert runner.decoder_probe == {}

@@ -167,15 +167,18 @@ class ModelRunner:
                  if isinstance(module, LinearBase | ParallelLMHead)
                  and module.packed_weight is not None}
 
+        planned = self.skinny_rows  # the rows the plan gave the native kernel
+
         def use(rows: int) -> int:
-            """the native kernel and the decoder up to `rows` rows (0: the plan's paths);
-            a split's plain weight must reach them, as the prepacked copy is asked first"""
-            use_native_kernel(self.model, rows)
+            """the decoder up to `rows` rows (0: none), the native kernel up to those or
+            the plan's, whichever is more; a split's plain weight must reach them, as the
+            prepacked copy is asked first"""
+            use_native_kernel(self.model, max(planned, rows))
             for module, plain_rows in split.items():
                 module.plain_rows = max(plain_rows, rows)
             return use_decoder(rows)
 
-        accepted = self.decoder_rows  # the rows the plan gave the native kernel
+        accepted = self.decoder_rows  # the rows the decoder takes on the plan
         if use(max(accepted, 1)) == 0:  # the model cannot run the decoder
             use(accepted)
             return
@@ -209,7 +212,7 @@ class ModelRunner:
                 break
             accepted = rows
         self.decoder_rows = use(accepted)
-        if accepted > self.skinny_rows:
+        if accepted > planned:
             self.skinny_rows = accepted
             if self.plain_rows is not None:
                 self.plain_rows = max(self.plain_rows, accepted)
