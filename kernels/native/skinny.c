@@ -329,63 +329,47 @@ BY_ROW_COUNT(tile_bf16f, float, uint16_t)
  * more than it saves. */
 #define SERIAL_ELEMENTS (1 << 16)
 
-/* the loop over output features (threads) and blocks of MR rows of x: BLOCK dots a
- * weight row with rows of x (row stride ldx); TO_F32 / FROM_F32 convert one element of
- * the dtype T. Each thread takes one contiguous run of weight rows and asks for its first
- * PREFETCH_BYTES at once (the block loops keep that far ahead from then on). */
-#define SKINNY_LOOP(BLOCK, x, ldx, T, TO_F32, FROM_F32)                                   \
+/* weight rows [from, to) in groups of NB: BLOCK dots NB weight rows with up to MR rows of x
+ * (row stride ldx) into part [mr][NB]; the sums, with the bias, go to y. TO_F32 / FROM_F32
+ * convert one element of the output dtype. */
+#define WEIGHT_ROWS(BLOCK, NB, x, ldx, from, to, TO_F32, FROM_F32)                        \
+    for (int64_t n = (from); n + (NB) <= (to); n += (NB))                                 \
+        for (int64_t m = 0; m < M; m += MR) {                                             \
+            int64_t mr = M - m < MR ? M - m : MR;                                         \
+            float part[MR * (NB)];                                                        \
+            BLOCK((x) + m * (ldx), w + n * K, part, K, mr, ldx);                          \
+            for (int64_t i = 0; i < mr; ++i)                                              \
+                for (int64_t j = 0; j < (NB); ++j)                                        \
+                    y[(m + i) * N + n + j] =                                              \
+                        FROM_F32(part[i * (NB) + j] + (bias ? TO_F32(bias[n + j]) : 0.f)); \
+        }
+
+/* weight rows [from, to): tiles of NRT rows (TILE), then the rows left one at a time
+ * (BLOCK) */
+#define TILES_THEN_ROWS(TILE, BLOCK, NRT, x, ldx, from, to, TO_F32, FROM_F32)             \
+    do {                                                                                  \
+        int64_t tiled_end = (from) + ((to) - (from)) / (NRT) * (NRT);                     \
+        WEIGHT_ROWS(TILE, NRT, x, ldx, from, tiled_end, TO_F32, FROM_F32)                 \
+        WEIGHT_ROWS(BLOCK, 1, x, ldx, tiled_end, to, TO_F32, FROM_F32)                    \
+    } while (0)
+
+/* the loop over output features, split between threads: each thread takes a contiguous
+ * run of whole tiles of NRT weight rows (NRT 1: rows, TILE = BLOCK), the last thread also
+ * the N % NRT rows left, and asks for the first PREFETCH_BYTES of its run at once (the
+ * block loops keep that far ahead from then on) */
+#define SKINNY_LOOP(TILE, BLOCK, NRT, x, ldx, TO_F32, FROM_F32)                           \
     do {                                                                                  \
         if (N * K < SERIAL_ELEMENTS) threads = 1;                                         \
         _Pragma("omp parallel num_threads(threads)")                                      \
         {                                                                                 \
             int64_t team = omp_get_num_threads(), me = omp_get_thread_num();              \
-            int64_t first = N * me / team, end = N * (me + 1) / team;                     \
+            int64_t tiles = N / (NRT), first = tiles * me / team * (NRT);                 \
+            int64_t end = me == team - 1 ? N : tiles * (me + 1) / team * (NRT);           \
             prefetch_run(w + first * K, (end - first) * K * (int64_t)sizeof(*w));         \
-            for (int64_t n = first; n < end; ++n)                                         \
-                for (int64_t m = 0; m < M; m += MR) {                                     \
-                    int64_t mr = M - m < MR ? M - m : MR;                                 \
-                    float part[MR];                                                       \
-                    BLOCK((x) + m * (ldx), w + n * K, part, K, mr, ldx);                  \
-                    for (int64_t i = 0; i < mr; ++i)                                      \
-                        y[(m + i) * N + n] =                                              \
-                            FROM_F32(part[i] + (bias ? TO_F32(bias[n]) : 0.f));           \
-                }                                                                         \
+            TILES_THEN_ROWS(TILE, BLOCK, NRT, x, ldx, first, end, TO_F32, FROM_F32);      \
         }                                                                                 \
     } while (0)
 #define SAME_F32(v) (v)
-
-/* SKINNY_LOOP over tiles of NR weight rows (TILE); a thread's run is whole tiles, the last
- * thread's also the N % NR rows left, one at a time (BLOCK) */
-#define SKINNY_TILES(TILE, BLOCK, NRT, x, ldx, TO_F32, FROM_F32)                         \
-    do {                                                                                  \
-        if (N * K < SERIAL_ELEMENTS) threads = 1;                                         \
-        _Pragma("omp parallel num_threads(threads)")                                      \
-        {                                                                                 \
-            int64_t team = omp_get_num_threads(), me = omp_get_thread_num();              \
-            int64_t tiles = N / NRT, first = tiles * me / team * NRT;                       \
-            int64_t end = me == team - 1 ? N : tiles * (me + 1) / team * NRT;              \
-            prefetch_run(w + first * K, (end - first) * K * (int64_t)sizeof(*w));         \
-            int64_t n = first;                                                            \
-            for (; n + NRT <= end; n += NRT)                                                \
-                for (int64_t m = 0; m < M; m += MR) {                                     \
-                    int64_t mr = M - m < MR ? M - m : MR;                                 \
-                    float part[MR * NRT];                                                  \
-                    TILE((x) + m * (ldx), w + n * K, part, K, mr, ldx);                       \
-                    for (int64_t i = 0; i < mr; ++i)                                      \
-                        for (int64_t j = 0; j < NRT; ++j)                                  \
-                            y[(m + i) * N + n + j] = FROM_F32(                            \
-                                part[i * NRT + j] + (bias ? TO_F32(bias[n + j]) : 0.f));   \
-                }                                                                         \
-            for (; n < end; ++n)                                                          \
-                for (int64_t m = 0; m < M; m += MR) {                                     \
-                    int64_t mr = M - m < MR ? M - m : MR;                                 \
-                    float part[MR];                                                       \
-                    BLOCK((x) + m * (ldx), w + n * K, part, K, mr, ldx);                      \
-                    for (int64_t i = 0; i < mr; ++i)                                      \
-                        y[(m + i) * N + n] = FROM_F32(part[i] + (bias ? TO_F32(bias[n]) : 0.f)); \
-                }                                                                         \
-        }                                                                                 \
-    } while (0)
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define SKINNY_AMX 1
@@ -443,11 +427,11 @@ static void amx_configure(int64_t xr) {
  * m (xv: their pairs), into y */
 #define AMX_BLOCK(TILES)                                                                  \
     do {                                                                                  \
-        for (int t = 0; t < (TILES); ++t) {                                               \
-            if (t == 0) _tile_zero(0);                                                    \
-            if (t == 1) _tile_zero(1);                                                    \
-            if (t == 2) _tile_zero(2);                                                    \
-            if (t == 3) _tile_zero(3);                                                    \
+        _tile_zero(0);                                                                    \
+        if ((TILES) > 1) {                                                                \
+            _tile_zero(1);                                                                \
+            _tile_zero(2);                                                                \
+            _tile_zero(3);                                                                \
         }                                                                                 \
         for (int64_t k = 0; k < K; k += AMX_K) {                                          \
             _tile_loadd(5, xv + k * xr, xr * 4);                                          \
@@ -517,28 +501,9 @@ static int skinny_bf16_amx(const uint16_t *x, const uint16_t *w, const uint16_t 
             for (; n < end; n += AMX_ROWS) AMX_BLOCK(1);
         }
         _tile_release();
-        if (me == team - 1 && end < N) { /* the rows left, on the vector tiles */
-            int64_t n = end;
-            for (; n + NR <= N; n += NR)
-                for (int64_t m = 0; m < M; m += MR) {
-                    int64_t mr = M - m < MR ? M - m : MR;
-                    float part[MR * NR];
-                    tile_bf16(x + m * ldx, w + n * K, part, K, mr, ldx);
-                    for (int64_t i = 0; i < mr; ++i)
-                        for (int64_t j = 0; j < NR; ++j)
-                            y[(m + i) * N + n + j] = float_to_bf16(
-                                part[i * NR + j] + (bias ? bf16_to_float(bias[n + j]) : 0.f));
-                }
-            for (; n < N; ++n)
-                for (int64_t m = 0; m < M; m += MR) {
-                    int64_t mr = M - m < MR ? M - m : MR;
-                    float part[MR];
-                    block_bf16(x + m * ldx, w + n * K, part, K, mr, ldx);
-                    for (int64_t i = 0; i < mr; ++i)
-                        y[(m + i) * N + n] = float_to_bf16(
-                            part[i] + (bias ? bf16_to_float(bias[n]) : 0.f));
-                }
-        }
+        if (me == team - 1) /* the rows left, on the vector tiles */
+            TILES_THEN_ROWS(tile_bf16, block_bf16, NR, x, ldx, end, N, bf16_to_float,
+                            float_to_bf16);
     }
     free(xv_all);
     return 0;
@@ -550,16 +515,16 @@ void llmq_skinny_f32(const float *x, const float *w, const float *bias, float *y
                      int64_t N, int64_t K, int64_t ldx, int threads) {
 #if defined(__AVX512F__)
     if (M >= 2) {
-        SKINNY_TILES(tile_f32, block_f32, NR, x, ldx, SAME_F32, SAME_F32);
+        SKINNY_LOOP(tile_f32, block_f32, NR, x, ldx, SAME_F32, SAME_F32);
         return;
     }
 #elif defined(SKINNY_AVX2)
     if (M >= 2) {
-        SKINNY_TILES(tile_f32, block_f32, NR_AVX2, x, ldx, SAME_F32, SAME_F32);
+        SKINNY_LOOP(tile_f32, block_f32, NR_AVX2, x, ldx, SAME_F32, SAME_F32);
         return;
     }
 #endif
-    SKINNY_LOOP(block_f32, x, ldx, float, SAME_F32, SAME_F32);
+    SKINNY_LOOP(block_f32, block_f32, 1, x, ldx, SAME_F32, SAME_F32);
 }
 
 void llmq_skinny_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
@@ -573,10 +538,10 @@ void llmq_skinny_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias
         for (int64_t m = 0; m < M; ++m)
             for (int64_t k = 0; k < K; ++k) xf[m * K + k] = bf16_to_float(x[m * ldx + k]);
         if (M >= 2)
-            SKINNY_TILES(tile_bf16f, block_bf16f, NR_AVX2, xf, K, bf16_to_float,
-                         float_to_bf16);
+            SKINNY_LOOP(tile_bf16f, block_bf16f, NR_AVX2, xf, K, bf16_to_float,
+                        float_to_bf16);
         else
-            SKINNY_LOOP(block_bf16f, xf, K, uint16_t, bf16_to_float, float_to_bf16);
+            SKINNY_LOOP(block_bf16f, block_bf16f, 1, xf, K, bf16_to_float, float_to_bf16);
         free(xf);
         return;
     }
@@ -588,11 +553,11 @@ void llmq_skinny_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias
 #endif
 #if defined(__AVX512BF16__)
     if (M >= 2) {
-        SKINNY_TILES(tile_bf16, block_bf16, NR, x, ldx, bf16_to_float, float_to_bf16);
+        SKINNY_LOOP(tile_bf16, block_bf16, NR, x, ldx, bf16_to_float, float_to_bf16);
         return;
     }
 #endif
-    SKINNY_LOOP(block_bf16, x, ldx, uint16_t, bf16_to_float, float_to_bf16);
+    SKINNY_LOOP(block_bf16, block_bf16, 1, x, ldx, bf16_to_float, float_to_bf16);
 }
 
 /* which code path this build took, for the start-up log */
