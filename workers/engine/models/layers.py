@@ -246,6 +246,17 @@ def _project(layer: LinearBase | ParallelLMHead, x: torch.Tensor,
     return dense.linear(x, layer.weight, bias, layer.skinny_rows)
 
 
+def native_rows(layer: LinearBase | ParallelLMHead) -> int:
+    """Calls of at most this many rows reach the native kernel on `_project`'s path (a
+    split's prepacked copy is asked first; a weight swapped for its packed copy takes
+    none)."""
+    if layer.weight.is_mkldnn:
+        return 0
+    if layer.packed_weight is not None:
+        return min(layer.skinny_rows, layer.plain_rows)
+    return layer.skinny_rows
+
+
 def use_native_kernel(model: nn.Module, skinny_rows: int) -> int:
     """Give every projection of `model` whose plain weight the native kernel takes
     (kernels/native.py) the calls of at most `skinny_rows` rows; returns how many."""

@@ -24,6 +24,7 @@ from workers.engine.models.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     default_weight_loader,
+    native_rows,
 )
 
 logger = logging.getLogger(__name__)
@@ -165,11 +166,9 @@ class LlamaModel(nn.Module):
             # the row-parallel layers add a bias after the product, rounded apart
             if attn.o_proj.bias is not None or mlp.down_proj.bias is not None:
                 return 0
-            for p in projections:
-                if p.tp_size != 1 or p.weight.is_mkldnn:
-                    return 0
-                rows = min(rows, p.skinny_rows if p.packed_weight is None
-                           else min(p.skinny_rows, p.plain_rows))
+            if any(p.tp_size != 1 for p in projections):
+                return 0
+            rows = min(rows, *(native_rows(p) for p in projections))
             norms = [layer.input_layernorm, layer.post_attention_layernorm]
             if attn.q_norm is not None:
                 norms += [attn.q_norm, attn.k_norm]
