@@ -10,8 +10,7 @@ import redis
 import sqlalchemy.exc
 from flask import Blueprint, Response, jsonify, request
 from pydantic import ValidationError
-from sqlalchemy import delete, func, select, update
-from sqlalchemy.orm import Session
+from sqlalchemy import Insert, delete, func, insert, literal, select, update
 
 from tasks.api.fields import StructuredOutputsRequest
 from tasks.api.jobs import JOB_STATUSES, JobListQuery
@@ -248,18 +247,21 @@ def submit_job(job_request: JobRequest, prompt_text: str | None, prompt_token_id
                                  idempotency_key), False
     seeded = job_request.params.seed is not None
     pin_seed(job_request.params)
-    job = Job(
-        api_key_id=api_key_id, model=job_request.model, kind=job_request.kind.value,
-        prompt=prompt_text, messages=job_request.messages, prompt_token_ids=prompt_token_ids,
-        params=job_request.params_dict(), priority=job_request.priority,
-        idempotency_key=idempotency_key, request_id=current_request_id(),
-        status=JobStatus.QUEUED.value, attempts=0,
+    row = dict(
+        id=uuid.uuid4(), api_key_id=api_key_id, model=job_request.model,
+        kind=job_request.kind.value, prompt=prompt_text, messages=job_request.messages,
+        prompt_token_ids=prompt_token_ids, params=job_request.params_dict(),
+        priority=job_request.priority, idempotency_key=idempotency_key,
+        request_id=current_request_id(), status=JobStatus.QUEUED.value, attempts=0,
         prompt_tokens=len(prompt_token_ids), created_at=utcnow(),
     )
     try:
-        with svc.session_factory.begin() as session:
-            _check_queue_room(svc, session, job_request.model)
-            session.add(job)
+        with svc.engine.begin() as conn:
+            if conn.execute(_insert_if_room(svc, row)).first() is None:
+                limit = svc.settings.max_queued_jobs
+                raise APIError(429, "queue_full", f"model {job_request.model!r} has {limit} "
+                               "jobs queued, the limit (LLMQ_MAX_QUEUED_JOBS); retry later",
+                               headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER_SECONDS)})
     except sqlalchemy.exc.IntegrityError:
         # NOTE: a concurrent request with the same Idempotency-Key won the insert.
         existing = _find_idempotent(api_key_id, idempotency_key) if idempotency_key else None
@@ -268,6 +270,7 @@ def submit_job(job_request: JobRequest, prompt_text: str | None, prompt_token_id
         if not seeded:
             job_request.params.seed = None
         return _same_request(existing, job_request, prompt_token_ids, idempotency_key), False
+    job = Job(**row)  # the stored row (not bound to a session)
     job_id = str(job.id)
     try:
         send_generate(svc.celery, svc.settings, job_id, job.model)
@@ -283,26 +286,28 @@ def submit_job(job_request: JobRequest, prompt_text: str | None, prompt_token_id
     return job, True
 
 
-def _check_queue_room(svc: Services, session: Session, model: str) -> None:
-    """A 429 when `model` has `max_queued_jobs` queued jobs (0: no limit); asked in the
-    transaction that inserts the job (one connection checkout for both).
+def _insert_if_room(svc: Services, row: dict[str, Any]) -> Insert:
+    """The INSERT of a job's `row` that inserts nothing when `row`'s model already has
+    `max_queued_jobs` queued jobs (0: no limit): the check and the insert are one
+    statement, one round trip. RETURNING the id: no row back means the queue is full.
 
     NOTE: counts at most limit + 1 rows (a LIMIT in a subquery) through the status index,
     so a full queue costs the same as a short one. Concurrent submissions may pass the
     check together: the bound is soft by at most the web's concurrency.
     """
+    columns = Job.__table__.c
+    values = select(*[literal(value, type_=columns[name].type)
+                      for name, value in row.items()])
     limit = svc.settings.max_queued_jobs
-    if limit <= 0:
-        return
-    # NOTE: batch lines do not count: a big batch must never turn interactive requests away
-    queued = (select(Job.id).where(Job.status == JobStatus.QUEUED.value, Job.model == model,
-                                   Job.batch_id.is_(None))
-              .limit(limit + 1).subquery())
-    count = session.scalar(select(func.count()).select_from(queued)) or 0
-    if count >= limit:
-        raise APIError(429, "queue_full", f"model {model!r} has {limit} jobs queued, the "
-                       "limit (LLMQ_MAX_QUEUED_JOBS); retry later",
-                       headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER_SECONDS)})
+    if limit > 0:
+        # NOTE: batch lines do not count: a big batch must never turn interactive
+        # requests away
+        queued = (select(Job.id).where(Job.status == JobStatus.QUEUED.value,
+                                       Job.model == row["model"], Job.batch_id.is_(None))
+                  .limit(limit + 1).subquery())
+        values = values.where(select(func.count()).select_from(queued).scalar_subquery()
+                              < limit)
+    return insert(Job).from_select(list(row), values).returning(Job.id)
 
 
 def _same_request(existing: Job, job_request: JobRequest, prompt_token_ids: list[int],
