@@ -14,6 +14,10 @@ In one run, on one random checkpoint (written with `workers.engine.make_model`):
    beside idle's, and the batch's output tokens/s (create to `completed`, seen by polling)
    beside the offline engine's.
 
+The three run `--rounds` times in a row (the services stay up); each round's ratios are
+taken within the round, and the summary gives their medians: on a small shared machine
+the same code moves by a third from one run to the next.
+
 Uses the Postgres and Redis this machine runs (a throwaway database and key prefix,
 removed at the end). Prints a Markdown table and, with --json, the raw figures.
 """
@@ -48,6 +52,9 @@ POLL_SECONDS = 0.1
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="small", help="workers.engine.make_model preset")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="offline, idle and busy runs, this many times; medians of the "
+                        "per-round ratios")
     p.add_argument("--num-lines", type=int, default=2000, help="requests in the batch")
     p.add_argument("--max-tokens", type=int, default=32, help="output tokens per batch line")
     p.add_argument("--prompt-words", type=int, default=24)
@@ -66,14 +73,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def run_offline(engine: Any, args: argparse.Namespace) -> dict[str, Any]:
+def run_offline(engine: Any, args: argparse.Namespace, round_index: int) -> dict[str, Any]:
     from tasks.params import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0)
     started, cpu_started = time.perf_counter(), time.thread_time()
     steps_before = engine.stats().num_steps
     for i, prompt in enumerate(prompts(args.num_lines, args.prompt_words)):
-        engine.add_request(f"offline-{i}", prompt, params)
+        engine.add_request(f"offline-{round_index}-{i}", prompt, params)
     num_tokens = 0
     while engine.has_unfinished_requests():
         num_tokens += sum(len(d.new_token_ids) for d in engine.step())
@@ -113,7 +120,8 @@ def ttft(client: Any, args: argparse.Namespace, index: int) -> float:
     return first
 
 
-def run_busy(client: Any, args: argparse.Namespace, services: Services) -> dict[str, Any]:
+def run_busy(client: Any, args: argparse.Namespace, services: Services,
+             round_index: int) -> dict[str, Any]:
     """The batch, and the interactive client beside it until it completes; with the CPU
     seconds each thread of the worker spent meanwhile."""
     lines = [{"custom_id": f"line-{i}", "method": "POST", "url": "/v1/completions",
@@ -128,7 +136,7 @@ def run_busy(client: Any, args: argparse.Namespace, services: Services) -> dict[
     def interactive() -> None:
         index = 0
         while not done.is_set():
-            samples.append(ttft(client, args, 10_000 + index))
+            samples.append(ttft(client, args, 100_000 * round_index + 10_000 + index))
             index += 1
             done.wait(args.interactive_gap)
 
@@ -233,25 +241,47 @@ def _cpu_model() -> str:
     return "unknown CPU"
 
 
-def _cpu_rows(offline: dict[str, Any], busy: dict[str, Any]) -> list[tuple[str, str]]:
-    """Where the worker's CPU went during the batch: its batcher thread's share of the
-    wall time and CPU per output token, beside the offline engine's thread."""
-    threads = busy["worker_thread_cpu_seconds"]
-    batcher = threads.get("llmq-batcher")
-    if batcher is None:
-        return []  # no /proc, or threads without names
-    others = ", ".join(f"{name} {cpu:.1f}" for name, cpu in
-                       sorted(threads.items(), key=lambda item: -item[1])
-                       if name != "llmq-batcher")
-    tokens = busy["tokens"] + busy["interactive_tokens"]
-    return [
-        ("worker CPU during the batch (s, by thread)",
-         f"llmq-batcher {batcher:.1f} (**{100 * batcher / busy['seconds']:.0f}%** of the "
-         f"wall time); {others}"),
-        ("batcher CPU per output token / offline engine's",
-         f"{1000 * batcher / tokens:.3f} / {1000 * offline['cpu_seconds'] / offline['tokens']:.3f}"
-         f" ms"),
-    ]
+def run_round(engine: Any, client: Any, args: argparse.Namespace, services: Services,
+              round_index: int) -> dict[str, Any]:
+    """One round: the offline engine, the idle client, then the batch beside the client."""
+    offline = run_offline(engine, args, round_index)
+    print(f"round {round_index + 1} offline: {json.dumps(offline)}", flush=True)
+    idle_started = time.time()
+    idle = [ttft(client, args, 100_000 * round_index + i) for i in range(args.idle_requests)]
+    print(f"round {round_index + 1} idle TTFT p50 {1000 * statistics.median(idle):.0f} ms",
+          flush=True)
+    busy_started = time.time()
+    busy = run_busy(client, args, services, round_index)
+    phases = {"idle": interactive_phases(services, idle_started, busy_started),
+              "busy": interactive_phases(services, busy_started, time.time())}
+    busy_ttft = busy.pop("ttft")
+    print(f"round {round_index + 1} busy: {json.dumps(busy)}", flush=True)
+    idle_ms = {f"p{q}": 1000 * _pct(idle, q / 100) for q in (50, 99)}
+    busy_ms = {f"p{q}": 1000 * _pct(busy_ttft, q / 100) for q in (50, 99)}
+    return {"offline": offline, "busy": busy, "idle_ttft_ms": idle_ms,
+            "busy_ttft_ms": busy_ms, "num_idle_requests": len(idle),
+            "num_busy_requests": len(busy_ttft), "phases": phases,
+            "ttft_ratio": busy_ms["p50"] / idle_ms["p50"],
+            "throughput_ratio": busy["tokens_per_s"] / offline["tokens_per_s"]}
+
+
+def round_row(index: int, r: dict[str, Any]) -> str:
+    """One round as a Markdown table row."""
+    idle_ms, busy_ms, phases = r["idle_ttft_ms"], r["busy_ttft_ms"], r["phases"]
+    busy, offline = r["busy"], r["offline"]
+    batcher = busy["worker_thread_cpu_seconds"].get("llmq-batcher")
+    cpu = "n/a" if batcher is None else (
+        f"{100 * batcher / busy['seconds']:.0f}%, "
+        f"{1000 * batcher / (busy['tokens'] + busy['interactive_tokens']):.3f} / "
+        f"{1000 * offline['cpu_seconds'] / offline['tokens']:.3f} ms")
+    return (f"| {index + 1} | {idle_ms['p50']:.0f} ({idle_ms['p99']:.0f}) / "
+            f"{busy_ms['p50']:.0f} ({busy_ms['p99']:.0f}) ms | **{r['ttft_ratio']:.2f}x** | "
+            f"{phases['idle']['claim_ms_p50']:.0f}, {phases['idle']['first_token_ms_p50']:.0f}"
+            f" / {phases['busy']['claim_ms_p50']:.0f}, "
+            f"{phases['busy']['first_token_ms_p50']:.0f} ms | "
+            f"{busy['tokens_per_s']:.0f} / {offline['tokens_per_s']:.0f}: "
+            f"**{100 * r['throughput_ratio']:.0f}%** | {busy['completed']} / {busy['failed']}"
+            f" | {busy['first_line_seconds']:.2f} / {busy['validate_seconds']:.1f} s | {cpu} |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -263,62 +293,39 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="llmq-bench-batch-"))
     model_dir = str(make_model(workdir / "model", "qwen3", args.preset))
     engine = load_offline_engine(model_dir, args, Settings())
-    offline = run_offline(engine, args)
-    print(f"offline: {json.dumps(offline)}", flush=True)
-    del engine
     services = Services(args, model_dir, workdir)
     try:
         client = openai.OpenAI(base_url=services.base_url + "/v1", api_key="unused",
                                max_retries=0, timeout=600)
         ttft(client, args, -1)  # warm up
-        idle_started = time.time()
-        idle = [ttft(client, args, i) for i in range(args.idle_requests)]
-        print(f"idle TTFT p50 {1000 * statistics.median(idle):.0f} ms", flush=True)
-        busy_started = time.time()
-        busy = run_busy(client, args, services)
-        phases = {"idle": interactive_phases(services, idle_started, busy_started),
-                  "busy": interactive_phases(services, busy_started, time.time())}
+        rounds = [run_round(engine, client, args, services, i) for i in range(args.rounds)]
     finally:
         services.close()
-    busy_ttft = busy.pop("ttft")
-    print(f"busy: {json.dumps(busy)}", flush=True)
-    figures = {"args": vars(args), "offline": offline, "busy": busy,
-               "idle_ttft_ms": {f"p{q}": 1000 * _pct(idle, q / 100) for q in (50, 99)},
-               "busy_ttft_ms": {f"p{q}": 1000 * _pct(busy_ttft, q / 100) for q in (50, 99)},
-               "num_busy_requests": len(busy_ttft), "phases": phases, "cpu": _cpu_model(),
+    figures = {"args": vars(args), "rounds": rounds, "cpu": _cpu_model(),
                "cpu_count": os.cpu_count(), "load_average_1m": os.getloadavg()[0]}
-    idle_ms, busy_ms = figures["idle_ttft_ms"], figures["busy_ttft_ms"]
-    rows = [
-        ("workload", f"{args.num_lines} lines x {args.max_tokens} tokens, `{args.preset}` "
-                     f"qwen3, {args.threads} torch thread(s); interactive: "
-                     f"{args.interactive_tokens}-token streaming completions"),
-        ("interactive TTFT, idle server (p50 / p99)",
-         f"{idle_ms['p50']:.0f} / {idle_ms['p99']:.0f} ms ({len(idle)} requests)"),
-        ("interactive TTFT beside the batch (p50 / p99)",
-         f"{busy_ms['p50']:.0f} / {busy_ms['p99']:.0f} ms ({len(busy_ttft)} requests); "
-         f"**p50 {busy_ms['p50'] / idle_ms['p50']:.2f}x idle**"),
-        ("interactive job: queued to claimed, claimed to first token (p50; idle / busy)",
-         f"{phases['idle']['claim_ms_p50']:.0f}, {phases['idle']['first_token_ms_p50']:.0f}"
-         f" / {phases['busy']['claim_ms_p50']:.0f}, "
-         f"{phases['busy']['first_token_ms_p50']:.0f} ms"),
-        ("batch output tok/s (create to completed) / offline engine",
-         f"{busy['tokens_per_s']:.0f} / {offline['tokens_per_s']:.0f} tok/s: "
-         f"**{100 * busy['tokens_per_s'] / offline['tokens_per_s']:.0f}%** "
-         f"({busy['completed']} completed, {busy['failed']} failed, "
-         f"create took {busy['create_seconds']:.1f} s, first line claimed after "
-         f"{busy['first_line_seconds']:.2f} s, all validated after "
-         f"{busy['validate_seconds']:.1f} s)"),
-        *_cpu_rows(offline, busy),
-        ("tokens sampled per step, served (from heartbeats) / offline engine",
-         f"{busy['tokens_per_step']:.1f} / {offline['tokens_per_step']:.1f}"),
-        ("machine", f"{figures['cpu']}, {os.cpu_count()} cores, 1-min load average "
-                    f"{figures['load_average_1m']:.1f} at the end"),
-    ]
-    print("\n| | |\n| --- | --- |\n" + "\n".join(f"| {k} | {v} |" for k, v in rows) + "\n")
+    ttft_ratios = [r["ttft_ratio"] for r in rounds]
+    throughput_ratios = [r["throughput_ratio"] for r in rounds]
+    print(f"\n{args.num_lines} lines x {args.max_tokens} tokens, `{args.preset}` qwen3, "
+          f"{args.threads} torch thread(s); interactive: {args.interactive_tokens}-token "
+          f"streaming completions, {args.interactive_gap} s apart; {figures['cpu']}, "
+          f"{os.cpu_count()} cores, 1-min load average {figures['load_average_1m']:.1f} at "
+          "the end\n")
+    print("| round | interactive TTFT p50 (p99), idle / beside the batch | busy / idle | "
+          "queued to claimed, claimed to first token (p50; idle / busy) | batch tok/s / "
+          "offline engine | lines completed / failed | first line claimed / all validated "
+          "| batcher: share of wall time, CPU per output token / offline engine's |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for i, r in enumerate(rounds):
+        print(round_row(i, r))
+    print(f"\n**Medians over {len(rounds)} round(s): interactive TTFT p50 "
+          f"{statistics.median(ttft_ratios):.2f}x idle** (target <= 1.5x; rounds "
+          f"{', '.join(f'{x:.2f}x' for x in ttft_ratios)}), **batch throughput "
+          f"{100 * statistics.median(throughput_ratios):.0f}% of the offline engine** "
+          f"(target >= 80%; rounds {', '.join(f'{100 * x:.0f}%' for x in throughput_ratios)})"
+          "\n")
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
