@@ -34,6 +34,7 @@ from tasks.api.batches import is_batch_priority
 from tasks.celery_app import send_generate
 from tasks.settings import Settings
 from workers.engine.topology import DeviceGroup, GroupTopology, build_topology
+from workers.host_memory import freeze_startup_objects
 
 if TYPE_CHECKING:
     from workers.admission import JobAdmission
@@ -145,6 +146,7 @@ class GroupRuntime:
         )
         self.heartbeat = Heartbeat(self.redis, s, identity, self._load,
                                    interval=self.heartbeat_seconds, metrics=self.batcher.metrics)
+        freeze_startup_objects()  # after loading, before serving
         self.writer.start()
         self.batcher.start()
         self.cancels.start()
