@@ -412,3 +412,73 @@ def test_a_message_claims_queued_jobs_of_the_model_ahead_up_to_the_room(
     with session_factory.begin() as session:  # not this group's model: leave no row behind
         session.execute(update(Job).where(Job.id == uuid.UUID(other)).values(
             status=JobStatus.CANCELLED.value))
+
+
+def _running_rows(session_factory, group_id: str, n: int) -> list[str]:
+    """`n` rows claimed by `group_id` (attempt 1), as a claim leaves them."""
+    job_ids = [insert_job(session_factory) for _ in range(n)]
+    with session_factory.begin() as session:
+        session.execute(update(Job).where(Job.id.in_([uuid.UUID(j) for j in job_ids]))
+                        .values(status=JobStatus.RUNNING.value, worker=group_id, attempts=1,
+                                started_at=utcnow(),
+                                lease_expires_at=utcnow() + timedelta(seconds=60)))
+    return job_ids
+
+
+def _result(job_id: str, background: bool) -> JobResult:
+    return JobResult(job_id=job_id, status=JobStatus.SUCCEEDED, finish_reason="length",
+                     error=None, output=[{"index": 0, "text": "x", "finish_reason": "length",
+                                          "token_ids": [1]}],
+                     output_text="x", prompt_tokens=1, completion_tokens=1, cached_tokens=0,
+                     event=JobEvent(EventType.DONE, finish_reason="length"), attempt=1,
+                     background=background)
+
+
+def test_batch_lines_results_wait_to_share_a_write_and_an_interactive_one_does_not(
+        service_settings, session_factory, redis_client, monkeypatch):
+    """Results of batch lines finishing one after another go out in one transaction; an
+    interactive result is written at once, and ends a wait it arrives in."""
+    from workers import db_writer
+
+    monkeypatch.setattr(db_writer, "BACKGROUND_LINGER_SECONDS", 1.0)
+    group_id = f"linger-{uuid.uuid4().hex[:6]}"
+    writer = DbWriter(service_settings, session_factory,
+                      EventPublisher(redis_client, service_settings).publish, lambda _: None,
+                      group_id)
+    writes: list[tuple[float, int]] = []  # (when, results in the write)
+    real_write = writer.rows.write
+
+    def observed_write(items):
+        writes.append((time.monotonic(), len(items)))
+        return real_write(items)
+
+    writer.rows.write = observed_write
+    writer.start()
+    try:
+        lines = _running_rows(session_factory, group_id, 5)
+        for job_id in lines:  # finishing 20 ms apart, as lines do beside a running batch
+            writer.own(job_id, 1)
+            writer.finish(_result(job_id, background=True))
+            time.sleep(0.02)
+        assert writer.flush(10)
+        assert [n for _, n in writes] == [5]
+        assert all(read_job(session_factory, j).status == JobStatus.SUCCEEDED.value
+                   for j in lines)
+
+        writes.clear()
+        line, interactive = _running_rows(session_factory, group_id, 2)
+        writer.finish(_result(line, background=True))
+        time.sleep(0.05)
+        sent = time.monotonic()
+        writer.finish(_result(interactive, background=False))
+        wait_for(lambda: writes, 5, "the write")
+        assert writes[0][1] == 2 and writes[0][0] - sent < 0.5  # not the 1 s linger
+
+        writes.clear()
+        (alone,) = _running_rows(session_factory, group_id, 1)
+        sent = time.monotonic()
+        writer.finish(_result(alone, background=False))
+        wait_for(lambda: writes, 5, "the write")
+        assert writes[0][1] == 1 and writes[0][0] - sent < 0.5
+    finally:
+        writer.stop()

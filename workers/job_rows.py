@@ -45,6 +45,9 @@ class JobResult:
     # written by hand, which is then fenced by status and worker alone
     attempt: int | None = None
     error_kind: JobErrorKind | None = None  # set when status is failed: 400 or 500 to clients
+    # a batch line's: nobody waits on it, so the writer may hold it back a little to write
+    # it with others (workers/db_writer.py, BACKGROUND_LINGER_SECONDS)
+    background: bool = False
 
 
 @dataclass(slots=True)
