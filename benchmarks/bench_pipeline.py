@@ -197,23 +197,28 @@ class Services:
         drop_scratch(self.scratch)
 
 
-def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds so far of each named thread of process `pid` (Linux; the worker names
-    its threads, workers/thread_names.py), summed by name; {} where /proc is missing."""
+def thread_cpu(pid: int, totals: dict[str, float] | None = None) -> dict[str, float]:
+    """CPU seconds so far of each named thread of process `pid` and of its child processes
+    (the worker's writer process) (Linux; the worker names its threads,
+    workers/thread_names.py), summed by name; {} where /proc is missing."""
     ticks = os.sysconf("SC_CLK_TCK")
-    totals: dict[str, float] = {}
+    totals = {} if totals is None else totals
     try:
         tasks = list(Path(f"/proc/{pid}/task").iterdir())
     except OSError:
         return totals
+    children: list[int] = []
     for task in tasks:
         try:
             stat = (task / "stat").read_text()
+            children += [int(c) for c in (task / "children").read_text().split()]
         except OSError:
             continue  # the thread ended
         name = stat[stat.index("(") + 1:stat.rindex(")")]
         fields = stat[stat.rindex(")") + 2:].split()
         totals[name] = totals.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+    for child in children:
+        thread_cpu(child, totals)
     return totals
 
 

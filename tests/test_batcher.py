@@ -23,6 +23,7 @@ from tests.pipeline_helpers import insert_job, read_job, read_stream, wait_for, 
 from workers.admission import GenerateOutcome, JobAdmission
 from workers.admitted import AdmittedJob
 from workers.batcher import Batcher
+from workers.claims import JobClaims
 from workers.db_writer import DbWriter
 from workers.job_rows import JobResult
 
@@ -60,6 +61,13 @@ class FlakyEngine:
         return getattr(self._engine, name)
 
 
+def _claims(settings, session_factory, redis_client, writer: DbWriter,
+            group_id: str) -> JobClaims:
+    """The group's claims, run in this process (a worker runs them in its database
+    process, tests/test_db_process.py)."""
+    return JobClaims(settings, session_factory, redis_client, group_id, own=writer.own)
+
+
 @dataclass
 class Group:
     settings: Any
@@ -80,7 +88,8 @@ def group(service_settings, session_factory, redis_client, tiny_engine):
     engine = FlakyEngine(tiny_engine)
     writer = DbWriter(settings, session_factory, publisher.publish, sent.append, group_id)
     batcher = Batcher(engine, publisher, writer, capacity=4, progress_interval=0.1)
-    admission = JobAdmission(settings, session_factory, redis_client, batcher, writer, group_id,
+    admission = JobAdmission(settings, _claims(settings, session_factory, redis_client, writer,
+                                               group_id), batcher, writer, group_id,
                              sent.append)
     writer.start()
     batcher.start()
@@ -253,7 +262,8 @@ def test_drain_requeues_unfinished_jobs(service_settings, session_factory, redis
     sent: list[str] = []
     writer = DbWriter(settings, session_factory, publisher.publish, sent.append, "drainer")
     batcher = Batcher(tiny_engine, publisher, writer, capacity=4)
-    admission = JobAdmission(settings, session_factory, redis_client, batcher, writer,
+    admission = JobAdmission(settings, _claims(settings, session_factory, redis_client, writer,
+                                               "drainer"), batcher, writer,
                              "drainer", sent.append)
     writer.start()
     batcher.start()
@@ -390,8 +400,10 @@ def test_a_message_claims_queued_jobs_of_the_model_ahead_up_to_the_room(
     """A claim takes the message's job and other queued interactive jobs of the group's
     model, as many as fit (capacity 4: three more); their messages are then skipped."""
     model = f"ahead-{uuid.uuid4().hex[:6]}"
-    admission = JobAdmission(group.settings, session_factory, redis_client, group.batcher,
-                             group.writer, group.group_id, group.sent.append, model=model)
+    claims = _claims(group.settings, session_factory, redis_client, group.writer,
+                     group.group_id)
+    admission = JobAdmission(group.settings, claims, group.batcher, group.writer,
+                             group.group_id, group.sent.append, model=model)
     group.engine.running.clear()  # hold every admitted job in the engine
     jobs = [insert_job(session_factory, model=model, params={"max_tokens": 2})
             for _ in range(5)]

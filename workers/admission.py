@@ -16,6 +16,9 @@ to the task threads.
 Batch lines have no message: `run_next_batch_jobs` claims queued ones straight from the
 table for the group's batch feeder (workers/batch_feeder.py), oldest batch first and in line
 order, with the same claim and hand-over.
+
+The statements themselves (and the cancel flags of what they claimed) are
+`workers/claims.py`'s; a worker runs them in its database process.
 """
 
 from __future__ import annotations
@@ -25,50 +28,23 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from datetime import UTC, timedelta
+from datetime import UTC
 from enum import Enum
-from typing import Any, Protocol
+from typing import Protocol
 
-from sqlalchemy import (
-    ColumnElement,
-    DateTime,
-    Integer,
-    Row,
-    String,
-    Uuid,
-    and_,
-    bindparam,
-    or_,
-    select,
-    update,
-)
 from sqlalchemy.exc import SQLAlchemyError
-from sqlalchemy.orm import Session, sessionmaker
-from sqlalchemy.sql.dml import ReturningUpdate
 
 from tasks.api.batches import is_batch_priority
-from tasks.db import utcnow
-from tasks.models import Job, JobErrorKind, JobStatus
+from tasks.models import JobErrorKind, JobStatus
 from tasks.params import SamplingParams
-from tasks.protocol import EventType, JobEvent, cancel_flag_key
+from tasks.protocol import EventType, JobEvent
 from tasks.settings import Settings
 from workers.admitted import AdmittedJob
+from workers.claims import ClaimedRow, Claims, ClaimUnavailable
 from workers.engine.outputs import FinishReason
 from workers.job_rows import JobResult
 
 logger = logging.getLogger(__name__)
-
-
-class FlagPipeline(Protocol):
-    def exists(self, *names: str) -> object: ...  # its reply: truthy when a flag is set
-
-    def execute(self) -> list[Any]: ...
-
-
-class CancelFlags(Protocol):
-    """The Redis client admission reads cancel flags with (`redis.Redis`)."""
-
-    def pipeline(self, transaction: bool = True) -> FlagPipeline: ...
 
 
 class JobTaker(Protocol):
@@ -88,9 +64,8 @@ MAX_CLAIM_AHEAD = 16
 
 
 class ClaimWriter(Protocol):
-    """The writes admission hands on (`workers.db_writer.DbWriter`)."""
-
-    def own(self, job_id: str, attempt: int) -> None: ...
+    """The writes admission hands on (`workers.db_writer.DbWriter`, or the group's
+    database process). The claims own what they claim."""
 
     def finish(self, result: JobResult) -> None: ...
 
@@ -116,20 +91,18 @@ class JobAdmission:
     def __init__(
         self,
         settings: Settings,
-        session_factory: sessionmaker[Session],
-        redis: CancelFlags,
+        claims: Claims,
         batcher: JobTaker,
         writer: ClaimWriter,
         group_id: str,
         send_generate: Callable[[str], None],
         model: str | None = None,
     ) -> None:
+        """`claims`: where the claim statements run (`workers.claims.JobClaims`, or the
+        group's database process)."""
         self.settings = settings
         self.model = model  # the group's model: claims ahead among its jobs (None: never)
-        self.session_factory = session_factory
-        self._claim_bind = session_factory.kw["bind"].execution_options(
-            isolation_level="AUTOCOMMIT")
-        self.redis = redis
+        self.claims = claims
         self.batcher = batcher
         self.writer = writer
         self.group_id = group_id
@@ -137,20 +110,6 @@ class JobAdmission:
         self._closed = False
         self._num_in_flight = 0
         self._cv = threading.Condition()
-        # NOTE: built once with bound parameters: building the UPDATE and its subquery
-        # was half a claim's CPU (0.5-0.8 ms of SQLAlchemy), all of it holding the GIL the
-        # batcher thread wants back after each native call of a step
-        job_id = bindparam("claim_job_id", type_=Uuid)
-        limit = bindparam("claim_limit", type_=Integer)
-        self._claim_one = self._claim_statement(Job.id == job_id)
-        self._claim_with_ahead = self._claim_statement(or_(Job.id == job_id, _next_queued(
-            and_(Job.model == bindparam("claim_model", type_=String), Job.batch_id.is_(None),
-                 Job.id != job_id),
-            (Job.priority, Job.created_at), limit, "claimed_ahead")))
-        self._claim_lines = self._claim_statement(_next_queued(
-            and_(Job.model == bindparam("claim_model", type_=String),
-                 Job.batch_id.is_not(None)),
-            (Job.created_at, Job.batch_index), limit, "next_lines"))
 
     def close(self) -> None:
         """From now on, `run` gives every job back to the queue (drain)."""
@@ -190,12 +149,11 @@ class JobAdmission:
         if self.model is not None:
             ahead = max(0, min(MAX_CLAIM_AHEAD, self.batcher.interactive_room() - 1))
         try:
-            if ahead:
-                rows = self._claim_rows(self._claim_with_ahead, claim_job_id=job_uuid,
-                                        claim_model=self.model, claim_limit=ahead)
+            if ahead and self.model is not None:
+                rows = self.claims.with_ahead(job_uuid, self.model, ahead)
             else:
-                rows = self._claim_rows(self._claim_one, claim_job_id=job_uuid)
-        except SQLAlchemyError as exc:
+                rows = self.claims.one(job_uuid)
+        except (SQLAlchemyError, ClaimUnavailable) as exc:
             # NOTE: nothing changed yet; the job is still queued and needs this message.
             logger.warning("job %s: claim failed (%s); retrying", job_id, exc)
             raise AdmissionRetry(str(exc)) from exc
@@ -214,26 +172,22 @@ class JobAdmission:
                 return []
             self._num_in_flight += 1
         try:
-            rows = self._claim_rows(self._claim_lines, claim_model=model,
-                                    claim_limit=max(1, limit))
+            rows = self.claims.lines(model, limit)
             return list(self._take_all(rows).values())
         finally:
             with self._cv:
                 self._num_in_flight -= 1
                 self._cv.notify_all()
 
-    def _take_all(self, rows: list[Row[Any]]) -> dict[str, GenerateOutcome]:
-        """Every claimed row to the batcher (`_take`), their cancel flags read at once;
-        the outcomes by job id, in the rows' order."""
-        job_ids = [str(row.id) for row in rows]
-        cancelled = self._cancel_requested(job_ids)
-        return {job_id: self._take(job_id, row, job_id in cancelled)
-                for job_id, row in zip(job_ids, rows)}
+    def _take_all(self, rows: list[ClaimedRow]) -> dict[str, GenerateOutcome]:
+        """Every claimed row to the batcher (`_take`); the outcomes by job id, in the
+        rows' order."""
+        return {str(row.id): self._take(str(row.id), row) for row in rows}
 
-    def _take(self, job_id: str, row: Row[Any], cancel_requested: bool) -> GenerateOutcome:
-        """The claimed row `job_id` to the batcher (or failed, cancelled, given back)."""
+    def _take(self, job_id: str, row: ClaimedRow) -> GenerateOutcome:
+        """The claimed row `job_id` (its lease already renewed) to the batcher (or failed,
+        cancelled, given back)."""
         attempt = int(row.attempts)
-        self.writer.own(job_id, attempt)
         logger.info("job %s claimed by %s (attempt %d)", job_id, self.group_id, attempt)
         try:
             job = _admitted_job(job_id, row, attempt)
@@ -242,7 +196,7 @@ class JobAdmission:
             self._end(job_id, attempt, JobStatus.FAILED, f"invalid job parameters: {exc}",
                       JobErrorKind.INVALID_REQUEST)
             return GenerateOutcome.FAILED
-        if cancel_requested:
+        if row.cancel_requested:
             logger.info("job %s was cancelled before it started", job_id)
             self._end(job_id, attempt, JobStatus.CANCELLED, None)
             return GenerateOutcome.CANCELLED
@@ -254,51 +208,6 @@ class JobAdmission:
                                 send_message=not is_batch_priority(job.priority))
             return GenerateOutcome.REQUEUED
         return GenerateOutcome.ADMITTED
-
-    def _claim_statement(self, which: ColumnElement[bool]) -> ReturningUpdate[Any]:
-        """The claim of the jobs `which` selects that are still queued; executed with
-        `claim_now` and `claim_lease` (and `which`'s own parameters)."""
-        return (
-            update(Job)
-            .where(which, Job.status == JobStatus.QUEUED.value)
-            .values(
-                status=JobStatus.RUNNING.value,
-                worker=self.group_id,
-                started_at=bindparam("claim_now", type_=DateTime(timezone=True)),
-                lease_expires_at=bindparam("claim_lease", type_=DateTime(timezone=True)),
-                attempts=Job.attempts + 1,
-                finish_reason=None,
-                error=None,
-            )
-            .returning(Job.id, Job.prompt, Job.prompt_token_ids, Job.params, Job.priority,
-                       Job.attempts, Job.created_at)
-        )
-
-    def _claim_rows(self, statement: ReturningUpdate[Any], **params: Any) -> list[Row[Any]]:
-        """Run the claim `statement` (one of the three built in __init__) now."""
-        now = utcnow()
-        params.update(claim_now=now,
-                      claim_lease=now + timedelta(seconds=self.settings.lease_seconds))
-        # NOTE: one statement, so no transaction around it (one round trip, atomic by
-        # itself), and Core rather than an ORM session: a claim competes for the GIL with
-        # the batcher thread, and every round trip and ORM layer is another wait for it.
-        with self._claim_bind.connect() as conn:
-            return list(conn.execute(statement, params).all())
-
-    def _cancel_requested(self, job_ids: list[str]) -> set[str]:
-        """Those of `job_ids` whose cancel flag is set (one round trip for all)."""
-        if not job_ids:
-            return set()
-        try:
-            pipe = self.redis.pipeline(transaction=False)
-            for job_id in job_ids:
-                pipe.exists(cancel_flag_key(self.settings, job_id))
-            flags = pipe.execute()
-        except Exception:  # the cancel channel still reaches the batcher
-            logger.warning("could not read the cancel flags of jobs %s", job_ids,
-                           exc_info=True)
-            return set()
-        return {job_id for job_id, flag in zip(job_ids, flags) if flag}
 
     def _end(self, job_id: str, attempt: int, status: JobStatus, error: str | None,
              error_kind: JobErrorKind | None = None) -> None:
@@ -315,7 +224,7 @@ class JobAdmission:
         ))
 
 
-def _admitted_job(job_id: str, row: Row[Any], attempt: int) -> AdmittedJob:
+def _admitted_job(job_id: str, row: ClaimedRow, attempt: int) -> AdmittedJob:
     """Raises TypeError/ValueError on parameters a worker cannot run."""
     params = SamplingParams(**dict(row.params or {}))
     prompt: str | list[int]
@@ -330,18 +239,3 @@ def _admitted_job(job_id: str, row: Row[Any], attempt: int) -> AdmittedJob:
                        priority=int(row.priority or 0), attempt=attempt,
                        created_at=created.replace(tzinfo=created.tzinfo or UTC).timestamp()
                        if created is not None else None, claimed_at=time.time())
-
-
-def _next_queued(which: ColumnElement[bool], order: tuple[Any, ...],
-                 limit: ColumnElement[int], name: str) -> ColumnElement[bool]:
-    """The condition "one of the first `limit` queued jobs `which` selects, in `order`",
-    for a claim.
-
-    NOTE: SKIP LOCKED: groups claiming at once take different rows (Postgres; the
-    conditional UPDATE alone keeps a claim single elsewhere). MATERIALIZED: as a plain
-    subquery of the UPDATE, Postgres may run the SELECT more than once, and each run
-    skips the rows the last one locked: a claim of 2 took 3 lines."""
-    queued = (select(Job.id).where(which, Job.status == JobStatus.QUEUED.value)
-              .order_by(*order).limit(limit).with_for_update(skip_locked=True)
-              .cte(name).prefix_with("MATERIALIZED"))
-    return Job.id.in_(select(queued.c.id))

@@ -1,9 +1,10 @@
 """The writer thread: every Postgres write of a device group, batched off the hot loop.
 
 The batcher never waits on Postgres. It hands first-token times, partial output, finished
-results and requeues to this thread, which flushes whatever has queued up in one
-transaction, and renews the leases of every job the group owns in ONE UPDATE every
-`settings.lease_renew_seconds`.
+results and requeues to this thread (in a worker, a thread of the group's database
+process, workers/db_process.py, so none of this Python holds the batcher's GIL), which
+flushes whatever has queued up in one transaction, and renews the leases of every job the
+group owns in ONE UPDATE every `settings.lease_renew_seconds`.
 
 NOTE (ordering of terminal events): the terminal row is committed BEFORE the terminal
 event is published, and both happen here. A client that sees `done`/`error`/`cancelled`
@@ -19,8 +20,8 @@ drops the attempt. Leases are renewed only while `healthy()` (the batcher comple
 a hung group lets its leases run out instead of holding its jobs forever.
 
 Batch lines finish by the hundred a second, and a transaction of one result costs four
-to eight times the CPU per result of one of eight (0.47-0.82 against 0.11-0.13 ms), all
-of it holding the GIL the batcher thread wants back after every native call of a step.
+to eight times the CPU per result of one of eight (0.47-0.82 against 0.11-0.13 ms), CPU
+taken from the cores the engine, the web and Postgres share.
 So when everything queued is batch lines' results (`JobResult.background`), the writer
 waits up to BACKGROUND_LINGER_SECONDS for more before it writes; anything else that
 arrives meanwhile (an interactive job's result or progress, a requeue, a flush) ends the
@@ -140,9 +141,13 @@ class DbWriter:
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Block until everything queued before this call is written. False on timeout."""
+        return self.flush_marker().wait(timeout)
+
+    def flush_marker(self) -> threading.Event:
+        """An event set once everything queued before this call is written."""
         done = threading.Event()
         self._queue.put(done)
-        return done.wait(timeout)
+        return done
 
     def stop(self, timeout: float = 30.0) -> None:
         """Flush what is queued, then end the thread."""

@@ -2,11 +2,13 @@
 as one.
 
 `GroupRuntime.start()` loads the engine ONCE (the worker bootstep calls it before the
-consumer fetches anything) and starts the batcher, writer, step publisher, heartbeat and
+consumer fetches anything), starts the group's database process (its writer and claims,
+workers/db_process.py) and the batcher, step publisher, batch feeder, heartbeat and
 cancel-listener threads; `generate(job_id)` is the body of the Celery task (admission:
 claim, wait for room, hand over). `stop()` drains: stop admitting, let running jobs finish
 within `settings.drain_grace_seconds`, requeue the rest (row back to queued, a `restart`
-event, a new generate message), flush the writer, remove the heartbeat.
+event, a new generate message), flush the writes and end the database process, remove
+the heartbeat.
 
 The circuit breaker (DESIGN.md section 1): `settings.max_consecutive_step_failures`
 failed steps in a row (the batcher counts them), a device error (a step raising
@@ -70,14 +72,13 @@ class GroupRuntime:
     def start(self) -> None:
         # NOTE: heavy imports here, not at module import: `--help` stays instant.
         from tasks.api.batches import BATCH_PRIORITY
-        from tasks.db import create_db_engine, make_sessionmaker
         from tasks.redis_client import make_redis
         from tasks.streams.publish import EventPublisher
         from workers.admission import JobAdmission
         from workers.batch_feeder import BatchFeeder
         from workers.batcher import Batcher
         from workers.cancel_listener import CancelListener
-        from workers.db_writer import DbWriter
+        from workers.db_process import DbProcess
         from workers.engine.builder import build_engine
         from workers.engine.config import EngineConfig
         from workers.heartbeat import GroupIdentity, Heartbeat
@@ -90,6 +91,11 @@ class GroupRuntime:
             background_priority=BATCH_PRIORITY,
         )
         started = time.monotonic()
+        # the database process (writes, claims) imports and connects while the model loads
+        self.db = DbProcess(s, self.group_id, self.model_name,
+                                healthy=self._steps_complete, on_lost=self._on_lost,
+                                on_exit=self._on_db_process_exit)
+        self.db.launch()
         group = self.group or build_topology(s.device, None, 1).groups[0]
         tp = group.tp_size
         try:
@@ -105,27 +111,21 @@ class GroupRuntime:
             # NOTE: Celery logs the traceback and stops; workers.main turns this into a
             # one-line error and exit code 1 (a supervisor must not take it for a clean stop)
             self.failure = f"could not load model {self.model_name!r} from {self.model_dir}: {exc}"
+            self.db.stop(5.0)
             raise
         logger.info("group %s loaded %s from %s in %.1fs (max_model_len %d)", self.group_id,
                     self.model_name, self.model_dir, time.monotonic() - started,
                     self.engine.max_model_len)
         self.redis = make_redis(s.redis_url)
         self._wait_for_redis()
-        # one connection per task thread (claims) plus the writer's, and a little slack
-        self.db_engine = create_db_engine(s.database_url, pool_size=self.concurrency + 2,
-                                          max_overflow=2)
-        session_factory = make_sessionmaker(self.db_engine)
         publisher = EventPublisher(self.redis, s)
-        self.writer = DbWriter(s, session_factory, publisher.publish, self.send_generate,
-                               self.group_id, healthy=self._steps_complete,
-                               on_lost=self._on_lost)
-        self.batcher = Batcher(self.engine, publisher, self.writer,
+        self.batcher = Batcher(self.engine, publisher, self.db,
                                capacity=s.max_num_seqs,
                                max_consecutive_failed_steps=s.max_consecutive_step_failures,
                                on_unhealthy=self._on_breaker,
                                fault_inject_step_failures=s.fault_inject_step_failures)
-        self.admission = JobAdmission(s, session_factory, self.redis, self.batcher,
-                                      self.writer, self.group_id, self.send_generate,
+        self.admission = JobAdmission(s, self.db.claims, self.batcher, self.db,
+                                      self.group_id, self.send_generate,
                                       model=self.model_name)
         self.batch_feeder = BatchFeeder(self.admission, self.batcher, self.model_name)
         self.cancels = CancelListener(self.redis, s, self.batcher.cancel,
@@ -147,7 +147,7 @@ class GroupRuntime:
         self.heartbeat = Heartbeat(self.redis, s, identity, self._load,
                                    interval=self.heartbeat_seconds, metrics=self.batcher.metrics)
         freeze_startup_objects()  # after loading, before serving
-        self.writer.start()
+        self.db.start()
         self.batcher.start()
         self.cancels.start()
         self.batch_feeder.start()
@@ -189,8 +189,18 @@ class GroupRuntime:
 
     def _steps_complete(self) -> bool:
         """The writer renews leases only while this holds: a step (or an idle wait) ended
-        within the last half lease."""
-        return self.batcher.health.seconds_since_progress() < self.settings.lease_seconds / 2
+        within the last half lease (true before the batcher exists: nothing is owned)."""
+        batcher = getattr(self, "batcher", None)
+        if batcher is None:
+            return True
+        return batcher.health.seconds_since_progress() < self.settings.lease_seconds / 2
+
+    def _on_db_process_exit(self, reason: str) -> None:
+        """The database process died: nothing the group computes can be stored any more.
+        Stop as a hung group does (publish nothing more; the leases run out and other
+        groups rerun the jobs). Before serving, `start()` raises instead."""
+        if self._started:
+            self._trip(reason, hung=True)
 
     def _on_lost(self, job_id: str, attempt: int) -> None:
         self.batcher.lose(job_id, attempt)
@@ -228,7 +238,7 @@ class GroupRuntime:
             # later may reach the jobs' streams (the publisher is closed) or rows (they
             # are queued, or another group's, so its fenced writes match nothing).
             self.batcher.publisher.close()
-            jobs = self.writer.owned()
+            jobs = self.db.owned()
             batch_lines: set[str] = set()  # not known here: every job gets a message
         else:
             jobs = {job.job_id: job.attempt for job in self.batcher.aborted}
@@ -236,7 +246,7 @@ class GroupRuntime:
                            if is_batch_priority(job.priority)}
             self.batcher.aborted = []
         for job_id, attempt in jobs.items():
-            self.writer.requeue(job_id, attempt, give_back=True,
+            self.db.requeue(job_id, attempt, give_back=True,
                                 send_message=job_id not in batch_lines)
         logger.error("group %s handed back %d jobs", self.group_id, len(jobs))
         try:
@@ -297,11 +307,11 @@ class GroupRuntime:
         for job in aborted:
             # NOTE: not the job's fault: the attempt is given back (rolling restarts never
             # spend a job's retry budget)
-            self.writer.requeue(job.job_id, job.attempt, give_back=True,
+            self.db.requeue(job.job_id, job.attempt, give_back=True,
                                 send_message=not is_batch_priority(job.priority))
         if aborted:
             logger.info("group %s requeued %d unfinished jobs", self.group_id, len(aborted))
-        self.writer.stop()
+        self.db.stop()
         if self.tripped and self.batcher.is_alive():
             logger.error("group %s: the batcher is stuck in a step; not waiting for it",
                          self.group_id)
@@ -310,7 +320,6 @@ class GroupRuntime:
         self.cancels.stop()
         self.heartbeat.stop(remove=not self.tripped)
         self.redis.close()
-        self.db_engine.dispose()
         logger.info("group %s stopped", self.group_id)
 
     terminate = stop

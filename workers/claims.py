@@ -1,0 +1,184 @@
+"""A device group's claims: the conditional UPDATEs that move queued job rows to running,
+and the cancel flags of what they claimed.
+
+Three statements, each built once with bound parameters (building the UPDATE and its
+subquery was half a claim's CPU, 0.5-0.8 ms of SQLAlchemy):
+* `one`: the message's job;
+* `with_ahead`: the message's job and up to `limit` other queued interactive jobs of the
+  model, highest priority and oldest first (claims ahead, workers/admission.py);
+* `lines`: up to `limit` queued batch lines of the model, oldest batch first and in line
+  order (the batch feeder).
+
+`JobClaims` runs them where it lives. The worker does not: its claims run in the group's
+database process (workers/db_process.py), which holds this object, so a claim's Python
+never waits for (or delays) the batcher thread's GIL; admission gets the rows back as
+plain `ClaimedRow`s. Every claimed row is `own`ed at once, so its lease is renewed from
+the moment it is running.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from typing import Any, NamedTuple, Protocol
+
+from sqlalchemy import (
+    ColumnElement,
+    DateTime,
+    Integer,
+    String,
+    Uuid,
+    and_,
+    bindparam,
+    or_,
+    select,
+    update,
+)
+from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.sql.dml import ReturningUpdate
+
+from tasks.db import utcnow
+from tasks.models import Job, JobStatus
+from tasks.protocol import cancel_flag_key
+from tasks.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+
+class ClaimedRow(NamedTuple):
+    """What a claim returns of one row (picklable: it crosses from the database process)."""
+
+    id: uuid.UUID
+    prompt: str | None
+    prompt_token_ids: list[int] | None
+    params: dict[str, Any] | None
+    priority: int | None
+    attempts: int
+    created_at: datetime | None
+    cancel_requested: bool  # its cancel flag was set when it was claimed
+
+
+class ClaimUnavailable(Exception):
+    """The database process did not run a claim (Postgres refused it there, or the
+    process is gone). Rows it may have claimed before going away are owned by nobody:
+    their leases run out and beat queues them again."""
+
+
+class FlagPipeline(Protocol):
+    def exists(self, *names: str) -> object: ...  # its reply: truthy when a flag is set
+
+    def execute(self) -> list[Any]: ...
+
+
+class CancelFlags(Protocol):
+    """The Redis client claims read cancel flags with (`redis.Redis`)."""
+
+    def pipeline(self, transaction: bool = True) -> FlagPipeline: ...
+
+
+class Claims(Protocol):
+    """`JobClaims`, or the database process's handle that runs them there."""
+
+    def one(self, job_id: uuid.UUID) -> list[ClaimedRow]: ...
+
+    def with_ahead(self, job_id: uuid.UUID, model: str, limit: int) -> list[ClaimedRow]: ...
+
+    def lines(self, model: str, limit: int) -> list[ClaimedRow]: ...
+
+
+class JobClaims:
+    """The claim statements of group `group_id`, run on `session_factory`'s engine."""
+
+    def __init__(self, settings: Settings, session_factory: sessionmaker[Session],
+                 redis: CancelFlags, group_id: str, own: Callable[[str, int], None]) -> None:
+        self.settings = settings
+        self.redis = redis
+        self.group_id = group_id
+        self.own = own  # starts the lease renewal of a claimed attempt
+        self._bind = session_factory.kw["bind"].execution_options(
+            isolation_level="AUTOCOMMIT")
+        job_id = bindparam("claim_job_id", type_=Uuid)
+        limit = bindparam("claim_limit", type_=Integer)
+        model = bindparam("claim_model", type_=String)
+        self._one = self._statement(Job.id == job_id)
+        self._with_ahead = self._statement(or_(Job.id == job_id, _next_queued(
+            and_(Job.model == model, Job.batch_id.is_(None), Job.id != job_id),
+            (Job.priority, Job.created_at), limit, "claimed_ahead")))
+        self._lines = self._statement(_next_queued(
+            and_(Job.model == model, Job.batch_id.is_not(None)),
+            (Job.created_at, Job.batch_index), limit, "next_lines"))
+
+    def one(self, job_id: uuid.UUID) -> list[ClaimedRow]:
+        return self._claim(self._one, claim_job_id=job_id)
+
+    def with_ahead(self, job_id: uuid.UUID, model: str, limit: int) -> list[ClaimedRow]:
+        return self._claim(self._with_ahead, claim_job_id=job_id, claim_model=model,
+                           claim_limit=limit)
+
+    def lines(self, model: str, limit: int) -> list[ClaimedRow]:
+        return self._claim(self._lines, claim_model=model, claim_limit=max(1, limit))
+
+    def _statement(self, which: ColumnElement[bool]) -> ReturningUpdate[Any]:
+        """The claim of the jobs `which` selects that are still queued; executed with
+        `claim_now` and `claim_lease` (and `which`'s own parameters)."""
+        return (
+            update(Job)
+            .where(which, Job.status == JobStatus.QUEUED.value)
+            .values(
+                status=JobStatus.RUNNING.value,
+                worker=self.group_id,
+                started_at=bindparam("claim_now", type_=DateTime(timezone=True)),
+                lease_expires_at=bindparam("claim_lease", type_=DateTime(timezone=True)),
+                attempts=Job.attempts + 1,
+                finish_reason=None,
+                error=None,
+            )
+            .returning(Job.id, Job.prompt, Job.prompt_token_ids, Job.params, Job.priority,
+                       Job.attempts, Job.created_at)
+        )
+
+    def _claim(self, statement: ReturningUpdate[Any], **params: Any) -> list[ClaimedRow]:
+        """Run the claim `statement` now; own what it claimed; read their cancel flags."""
+        now = utcnow()
+        params.update(claim_now=now,
+                      claim_lease=now + timedelta(seconds=self.settings.lease_seconds))
+        # NOTE: one statement, so no transaction around it (one round trip, atomic by
+        # itself), and Core rather than an ORM session
+        with self._bind.connect() as conn:
+            rows = list(conn.execute(statement, params).all())
+        for row in rows:
+            self.own(str(row.id), int(row.attempts))
+        cancelled = self._cancel_requested([str(row.id) for row in rows])
+        return [ClaimedRow(*row, cancel_requested=str(row.id) in cancelled) for row in rows]
+
+    def _cancel_requested(self, job_ids: list[str]) -> set[str]:
+        """Those of `job_ids` whose cancel flag is set (one round trip for all)."""
+        if not job_ids:
+            return set()
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            for job_id in job_ids:
+                pipe.exists(cancel_flag_key(self.settings, job_id))
+            flags = pipe.execute()
+        except Exception:  # the cancel channel still reaches the batcher
+            logger.warning("could not read the cancel flags of jobs %s", job_ids,
+                           exc_info=True)
+            return set()
+        return {job_id for job_id, flag in zip(job_ids, flags) if flag}
+
+
+def _next_queued(which: ColumnElement[bool], order: tuple[Any, ...],
+                 limit: ColumnElement[int], name: str) -> ColumnElement[bool]:
+    """The condition "one of the first `limit` queued jobs `which` selects, in `order`",
+    for a claim.
+
+    NOTE: SKIP LOCKED: groups claiming at once take different rows (Postgres; the
+    conditional UPDATE alone keeps a claim single elsewhere). MATERIALIZED: as a plain
+    subquery of the UPDATE, Postgres may run the SELECT more than once, and each run
+    skips the rows the last one locked: a claim of 2 took 3 lines."""
+    queued = (select(Job.id).where(which, Job.status == JobStatus.QUEUED.value)
+              .order_by(*order).limit(limit).with_for_update(skip_locked=True)
+              .cte(name).prefix_with("MATERIALIZED"))
+    return Job.id.in_(select(queued.c.id))
