@@ -170,42 +170,57 @@ static ALWAYS_INLINE void block_f32_rows(const float *x, const float *w, float *
  * once for all NR weight rows. From two rows of x on, the multiply-adds, not the weight
  * stream, bound a call; one weight row at a time (block_f32_rows) issues a load for each
  * multiply-add, this one half a load (16 rows x 4096 x 768 twelve times, 2 threads:
- * 11.7 -> 9.1 ms on a Xeon with AMX, docs/benchmarks.md). out: [mr][NR]. */
-static ALWAYS_INLINE void tile_f32_rows(const float *x, const float *w, float *out,
-                                        int64_t K, int64_t mr, int64_t ldx) {
-    __m512 acc[MR][NR];
-    for (int64_t i = 0; i < mr; ++i)
-        for (int64_t j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16) {
-        __m512 wv[NR];
-        for (int64_t j = 0; j < NR; ++j) {
-            PREFETCH_LINE((const char *)(w + j * K + k) + PREFETCH_BYTES);
-            wv[j] = _mm512_loadu_ps(w + j * K + k);
-        }
-        for (int64_t i = 0; i < mr; ++i) {
-            __m512 xv = _mm512_loadu_ps(x + i * ldx + k);
-            for (int64_t j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
-        }
+ * 11.7 -> 9.1 ms on a Xeon with AMX, docs/benchmarks.md). out: [mr][NR].
+ *
+ * One body for both dtypes: VT vectors of STEP elements, loaded with LOAD and multiplied
+ * into the fp32 sums with MADD(acc, x, w) (fp32: a fused multiply-add of 16; bf16:
+ * vdpbf16ps on 32 pairs); the tail, fewer than STEP elements, 16 at a time as fp32 loaded
+ * (widened for bf16) under a mask by TAIL_LOAD. */
+#define AVX512_TILE(name, T, VT, STEP, LOAD, MADD, TAIL_LOAD)                              \
+    static ALWAYS_INLINE void name(const T *x, const T *w, float *out, int64_t K,          \
+                                   int64_t mr, int64_t ldx) {                              \
+        __m512 acc[MR][NR];                                                                 \
+        for (int64_t i = 0; i < mr; ++i)                                                    \
+            for (int64_t j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();               \
+        int64_t k = 0;                                                                      \
+        for (; k + STEP <= K; k += STEP) {                                                  \
+            VT wv[NR];                                                                      \
+            for (int64_t j = 0; j < NR; ++j) {                                              \
+                PREFETCH_LINE((const char *)(w + j * K + k) + PREFETCH_BYTES);              \
+                wv[j] = LOAD(w + j * K + k);                                                \
+            }                                                                               \
+            for (int64_t i = 0; i < mr; ++i) {                                              \
+                VT xv = LOAD(x + i * ldx + k);                                              \
+                for (int64_t j = 0; j < NR; ++j) acc[i][j] = MADD(acc[i][j], xv, wv[j]);    \
+            }                                                                               \
+        }                                                                                   \
+        for (; k < K; k += 16) {                                                            \
+            int64_t left = K - k < 16 ? K - k : 16;                                         \
+            __mmask16 m = (__mmask16)((1u << left) - 1);                                    \
+            __m512 wv[NR];                                                                  \
+            for (int64_t j = 0; j < NR; ++j) wv[j] = TAIL_LOAD(m, w + j * K + k);           \
+            for (int64_t i = 0; i < mr; ++i) {                                              \
+                __m512 xv = TAIL_LOAD(m, x + i * ldx + k);                                  \
+                for (int64_t j = 0; j < NR; ++j)                                            \
+                    acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);                      \
+            }                                                                               \
+        }                                                                                   \
+        for (int64_t i = 0; i < mr; ++i)                                                    \
+            for (int64_t j = 0; j < NR; ++j) out[i * NR + j] = _mm512_reduce_add_ps(acc[i][j]); \
     }
-    if (k < K) { /* the tail, masked */
-        __mmask16 m = (__mmask16)((1u << (K - k)) - 1);
-        __m512 wv[NR];
-        for (int64_t j = 0; j < NR; ++j) wv[j] = _mm512_maskz_loadu_ps(m, w + j * K + k);
-        for (int64_t i = 0; i < mr; ++i) {
-            __m512 xv = _mm512_maskz_loadu_ps(m, x + i * ldx + k);
-            for (int64_t j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
-        }
-    }
-    for (int64_t i = 0; i < mr; ++i)
-        for (int64_t j = 0; j < NR; ++j) out[i * NR + j] = _mm512_reduce_add_ps(acc[i][j]);
+
+static ALWAYS_INLINE __m512 fmadd_f32(__m512 acc, __m512 x, __m512 w) {
+    return _mm512_fmadd_ps(x, w, acc);
 }
+AVX512_TILE(tile_f32_rows, float, __m512, 16, _mm512_loadu_ps, fmadd_f32,
+            _mm512_maskz_loadu_ps)
 #endif
 
 /* ---- bf16 ------------------------------------------------------------------------ */
 
 #if defined(__AVX512F__)
-static inline __m512 widen_bf16_masked(const uint16_t *p, __mmask16 m) {
+/* the first bits of m: as _mm512_maskz_loadu_ps, for bf16 (widened to fp32) */
+static inline __m512 widen_bf16_masked(__mmask16 m, const uint16_t *p) {
     __m256i h = _mm256_maskz_loadu_epi16(m, p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
@@ -232,9 +247,9 @@ static ALWAYS_INLINE void block_bf16_rows(const uint16_t *x, const uint16_t *w,
     for (; k < K; k += 16) { /* the tail, widened to fp32 16 at a time */
         int64_t left = K - k < 16 ? K - k : 16;
         __mmask16 m = (__mmask16)((1u << left) - 1);
-        __m512 a = widen_bf16_masked(w + k, m);
+        __m512 a = widen_bf16_masked(m, w + k);
         for (int64_t i = 0; i < mr; ++i)
-            acc[i][0] = _mm512_fmadd_ps(widen_bf16_masked(x + i * ldx + k, m), a, acc[i][0]);
+            acc[i][0] = _mm512_fmadd_ps(widen_bf16_masked(m, x + i * ldx + k), a, acc[i][0]);
     }
     for (int64_t i = 0; i < mr; ++i) out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]));
 }
@@ -246,9 +261,9 @@ static ALWAYS_INLINE void block_bf16_rows(const uint16_t *x, const uint16_t *w,
     for (int64_t k = 0; k < K; k += 16) {
         int64_t left = K - k < 16 ? K - k : 16;
         __mmask16 m = (__mmask16)((1u << left) - 1);
-        __m512 a = widen_bf16_masked(w + k, m);
+        __m512 a = widen_bf16_masked(m, w + k);
         for (int64_t i = 0; i < mr; ++i)
-            acc[i] = _mm512_fmadd_ps(widen_bf16_masked(x + i * ldx + k, m), a, acc[i]);
+            acc[i] = _mm512_fmadd_ps(widen_bf16_masked(m, x + i * ldx + k), a, acc[i]);
     }
     for (int64_t i = 0; i < mr; ++i) out[i] = _mm512_reduce_add_ps(acc[i]);
 }
@@ -265,38 +280,12 @@ static ALWAYS_INLINE void block_bf16_rows(const uint16_t *x, const uint16_t *w,
 #endif
 
 #if defined(__AVX512BF16__)
-/* tile_f32_rows for bf16: NR weight rows with `mr` rows of x, vdpbf16ps on 32 pairs a
- * vector; the tail widened to fp32 16 at a time, as block_bf16_rows does */
-static ALWAYS_INLINE void tile_bf16_rows(const uint16_t *x, const uint16_t *w, float *out,
-                                         int64_t K, int64_t mr, int64_t ldx) {
-    __m512 acc[MR][NR];
-    for (int64_t i = 0; i < mr; ++i)
-        for (int64_t j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
-        __m512bh wv[NR];
-        for (int64_t j = 0; j < NR; ++j) {
-            PREFETCH_LINE((const char *)(w + j * K + k) + PREFETCH_BYTES);
-            wv[j] = (__m512bh)_mm512_loadu_si512(w + j * K + k);
-        }
-        for (int64_t i = 0; i < mr; ++i) {
-            __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * ldx + k);
-            for (int64_t j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
-        }
-    }
-    for (; k < K; k += 16) {
-        int64_t left = K - k < 16 ? K - k : 16;
-        __mmask16 m = (__mmask16)((1u << left) - 1);
-        __m512 wv[NR];
-        for (int64_t j = 0; j < NR; ++j) wv[j] = widen_bf16_masked(w + j * K + k, m);
-        for (int64_t i = 0; i < mr; ++i) {
-            __m512 xv = widen_bf16_masked(x + i * ldx + k, m);
-            for (int64_t j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
-        }
-    }
-    for (int64_t i = 0; i < mr; ++i)
-        for (int64_t j = 0; j < NR; ++j) out[i * NR + j] = _mm512_reduce_add_ps(acc[i][j]);
+/* tile_f32_rows for bf16 (AVX512_TILE above) */
+static ALWAYS_INLINE __m512bh load32_bf16(const uint16_t *p) {
+    return (__m512bh)_mm512_loadu_si512(p);
 }
+AVX512_TILE(tile_bf16_rows, uint16_t, __m512bh, 32, load32_bf16, _mm512_dpbf16_ps,
+            widen_bf16_masked)
 #endif
 
 /* x rows of type XT, a weight row of type WT */
