@@ -22,6 +22,7 @@ removed at the end). Prints a Markdown table and, with --json, the raw figures.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import queue
@@ -278,15 +279,27 @@ def run_pipeline(services: Services, args: argparse.Namespace) -> dict[str, Any]
     Events published before their stream's response headers arrived are replays, not
     live deliveries, and are left out of the latency figures.
     """
-    base = services.base_url
     body = {"model": "bench", "max_tokens": args.max_tokens, "ignore_eos": True,
             "temperature": 0.0}
     submitted: queue.Queue[str] = queue.Queue()
 
+    local = threading.local()
+
     def submit(prompt: str) -> None:
-        response = requests.post(base + "/v1/jobs", json={**body, "prompt": prompt}, timeout=60)
-        response.raise_for_status()
-        submitted.put(response.json()["id"])
+        # NOTE: one kept-alive connection per client thread and no client library: a new
+        # connection and `requests` per POST cost the client ~3 ms of CPU each, on the
+        # core the web and Postgres share during the ramp (the client is not the service)
+        conn = getattr(local, "conn", None)
+        if conn is None:
+            conn = local.conn = http.client.HTTPConnection("127.0.0.1", services.port,
+                                                          timeout=60)
+        conn.request("POST", "/v1/jobs", json.dumps({**body, "prompt": prompt}),
+                     {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        payload = response.read()
+        if response.status != 202:
+            raise RuntimeError(f"POST /v1/jobs answered {response.status}: {payload[:200]!r}")
+        submitted.put(json.loads(payload)["id"])
 
     reader = SseReader(services.port)
     cpu_before = cpu_snapshot(services)

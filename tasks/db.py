@@ -45,7 +45,7 @@ def has_passed(when: datetime | None, now: datetime | None = None) -> bool:
 def create_db_engine(url: str, **kwargs: Any) -> sqlalchemy.Engine:
     """An engine for `url` with connection checks on checkout.
 
-    SQLite gets `check_same_thread=False` (the web and the writer thread share the engine),
+    SQLite gets `check_same_thread=False` (threads share the engine),
     WAL journaling and a busy timeout so concurrent processes wait instead of failing.
     """
     if url.startswith("sqlite"):

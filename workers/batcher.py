@@ -9,9 +9,10 @@ full, `cancel`, `drain`). Every loop the batcher
   3. runs `engine.step()`,
   4. turns the deltas into `JobEvent`s and sends ALL of them in one Redis call, without
      waiting for the reply (the step publisher thread reads it during the next step),
-  5. hands first-token times, partial output and finished results to the writer thread
-     (results only once their token events are out; the writer commits a terminal row
-     before publishing the terminal event).
+  5. hands first-token times, partial output and finished results to the writer (in the
+     group's database process, workers/db_process.py; results only once their token
+     events are out; the writer commits a terminal row before publishing the terminal
+     event).
 
 It waits idle when nothing runs. An exception in a step fails the jobs that were in the
 engine with a terminal `error` event and a reason; the thread keeps serving.
@@ -87,7 +88,8 @@ class BatchEngine(Protocol):
 
 
 class ResultWriter(Protocol):
-    """Where the batcher hands job rows (`workers.db_writer.DbWriter`)."""
+    """Where the batcher hands job rows (`workers.db_process.DbProcess`, or a
+    `workers.db_writer.DbWriter` in this process)."""
 
     def progress(self, items: list[JobProgress]) -> None: ...
 
