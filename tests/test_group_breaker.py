@@ -26,14 +26,19 @@ pytestmark = pytest.mark.integration
 
 WORKER_ARGS = ["--max-num-seqs", "8", "--kv-cache-bytes", str(16 * 1024 * 1024),
                "--concurrency", "2"]
-LONG = {"max_tokens": 300, "ignore_eos": True, "temperature": 0.0}
+LONG = {"max_tokens": 300, "ignore_eos": True, "temperature": 0.0, "model": "breaker"}
+MODEL = LONG["model"]
 
 
 @pytest.fixture
 def settings(service_settings):
-    # a queue of its own: only this test's groups take its jobs
+    # a queue of its own: only this test's groups take its jobs; and a model name of its
+    # own: a claim also takes queued jobs of its model from the table ahead (the
+    # database is shared), and a job another test left queued would change the step
+    # count these tests rely on
     return service_settings.with_overrides(
-        redis_prefix=f"llmqbreak{uuid.uuid4().hex[:8]}", drain_grace_seconds=2.0)
+        redis_prefix=f"llmqbreak{uuid.uuid4().hex[:8]}", drain_grace_seconds=2.0,
+        models={MODEL: service_settings.models["tiny"]})
 
 
 def _unhealthy_beat(worker: WorkerProcess, redis_client) -> dict:
@@ -49,7 +54,7 @@ def test_consecutive_failed_steps_trip_the_breaker(settings, redis_client, sessi
     the batcher alone and only tests set it)."""
     base_url = start_web(settings)
     faulty = WorkerProcess(settings, f"faulty-{uuid.uuid4().hex[:4]}", tmp_path,
-                           args=WORKER_ARGS,
+                           model=MODEL, args=WORKER_ARGS,
                            extra_env={"LLMQ_FAULT_INJECT_STEP_FAILURES": "1000",
                                       "LLMQ_MAX_CONSECUTIVE_STEP_FAILURES": "3"})
     try:
@@ -64,13 +69,14 @@ def test_consecutive_failed_steps_trip_the_breaker(settings, redis_client, sessi
         beat = _unhealthy_beat(faulty, redis_client)
         assert "consecutive" in beat["unhealthy_reason"]
         ready = requests.get(f"{base_url}/ready", timeout=10).json()
-        assert faulty.group_id in ready["checks"]["unhealthy"]["tiny"]
+        assert faulty.group_id in ready["checks"]["unhealthy"][MODEL]
         assert faulty.process.wait(30) == 1, faulty.log_tail()
     finally:
         faulty.terminate()
     row = read_job(session_factory, handed_back)
     assert row.status == JobStatus.QUEUED.value and row.attempts == 0
-    with running_worker(settings, redis_client, tmp_path, "healthy", args=WORKER_ARGS) as good:
+    with running_worker(settings, redis_client, tmp_path, "healthy", model=MODEL,
+                        args=WORKER_ARGS) as good:
         row = wait_terminal(session_factory, handed_back, 60)
     assert row.status == JobStatus.SUCCEEDED.value
     assert row.worker == good.group_id and row.attempts == 1
@@ -82,7 +88,7 @@ def test_a_hung_step_trips_the_watchdog(settings, redis_client, session_factory,
     frozen with SIGSTOP. Rank 0's step waits in a collective; the watchdog
     (LLMQ_STEP_TIMEOUT_SECONDS=2) fires long before the TP timeout (60 s) would."""
     base_url = start_web(settings)
-    hung = WorkerProcess(settings, f"hung-{uuid.uuid4().hex[:4]}", tmp_path,
+    hung = WorkerProcess(settings, f"hung-{uuid.uuid4().hex[:4]}", tmp_path, model=MODEL,
                          args=["--devices", "0,1", "--tp", "2", "--tp-timeout", "60",
                                *WORKER_ARGS],
                          extra_env={"LLMQ_STEP_TIMEOUT_SECONDS": "2"})
@@ -110,7 +116,8 @@ def test_a_hung_step_trips_the_watchdog(settings, redis_client, session_factory,
     rows = [read_job(session_factory, i) for i in ids]
     assert {row.status for row in rows} == {JobStatus.QUEUED.value}
     assert {row.attempts for row in rows} == {0}
-    with running_worker(settings, redis_client, tmp_path, "healthy", args=WORKER_ARGS) as good:
+    with running_worker(settings, redis_client, tmp_path, "healthy", model=MODEL,
+                        args=WORKER_ARGS) as good:
         rows = [wait_terminal(session_factory, i, 60) for i in ids]
     assert {row.status for row in rows} == {JobStatus.SUCCEEDED.value}
     assert {(row.worker, row.attempts) for row in rows} == {(good.group_id, 1)}
