@@ -101,7 +101,9 @@ class DbProcess:
             pass_fds=[theirs_fd], close_fds=True)
         theirs.close()
         self._conn = Connection(ours.detach())
-        self._send(("init", self.settings, self.group_id, self.model))
+        # the worker's log level (its --loglevel), so both processes log alike
+        self._send(("init", self.settings, self.group_id, self.model,
+                    logging.getLogger().getEffectiveLevel()))
         self._receiver = threading.Thread(target=self._receive, name="llmq-db-link",
                                           daemon=True)
         self._receiver.start()
@@ -391,12 +393,13 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s[db]: %(message)s")
     conn = Connection(int(argv[0]))
     try:
-        kind, settings, group_id, model = conn.recv()
+        kind, settings, group_id, model, log_level = conn.recv()
     except (EOFError, OSError):
         return 1
     if kind != "init":
         logger.error("the database process expected init, got %r", kind)
         return 1
+    logging.getLogger().setLevel(log_level)
     threading.current_thread().name = "llmq-db-in"
     name_this_thread()
     _DbService(conn, settings, group_id, model).serve()
