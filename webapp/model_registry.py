@@ -146,6 +146,25 @@ class ModelRegistry:
                 _freeze_loaded_objects()
         return model
 
+    def preload(self) -> list[str]:
+        """Load every configured model now (a server process, before it serves); returns
+        the names that could not be loaded (each logged; their requests get the error as
+        before).
+
+        NOTE: loaded lazily, the first request to each web process waited for the
+        tokenizer and the full collection after it (`_freeze_loaded_objects`), and so did
+        every request and event stream of the process behind it: with two web processes
+        and a warm-up that reached only one, that stall fell into a burst of submissions.
+        """
+        failed = []
+        for name in self.names():
+            try:
+                self.get(name)
+            except ModelLoadError as exc:
+                logger.warning("model %s not loaded at start-up: %s", name, exc)
+                failed.append(name)
+        return failed
+
     def _path(self, name: str) -> str:
         path = self._settings.models.get(name)
         if path is None:
