@@ -189,3 +189,20 @@ def test_a_database_process_that_dies_before_it_serves_fails_the_start(settings)
     db._process.kill()
     with pytest.raises(RuntimeError, match="database process did not start"):
         db.start(10.0)
+
+
+def test_a_health_check_that_raises_counts_as_unhealthy_and_keeps_the_link(
+        settings, session_factory):
+    exits: list[str] = []
+    db = DbProcess(settings, f"db-proc-{uuid.uuid4().hex[:6]}", "tiny",
+                   healthy=lambda: 1 / 0, on_exit=exits.append)
+    db.start()
+    try:
+        job_id = _claimed(session_factory, db.group_id, lease_seconds=1.0)
+        held = read_job(session_factory, job_id).lease_expires_at
+        db.own(job_id, 1)
+        time.sleep(1.5)  # several renewal periods
+        assert read_job(session_factory, job_id).lease_expires_at == held
+        assert db.flush(10.0) and exits == []
+    finally:
+        db.stop(10.0)

@@ -211,12 +211,17 @@ class DbProcess:
             while True:
                 now = time.monotonic()
                 if told is None or now - told[1] >= HEALTH_SECONDS:
-                    healthy = self.healthy() if self.healthy is not None else True
+                    healthy = self._is_healthy()
                     self._send(("health", healthy))
                     told = (healthy, now)
                 if not conn.poll(HEALTH_SECONDS):
                     continue
-                self._handle(conn.recv())
+                message = conn.recv()
+                try:
+                    self._handle(message)
+                except Exception:  # a callback's failure must not end the link
+                    logger.exception("group %s: handling %r from the database process "
+                                     "failed", self.group_id, message[0])
         except (EOFError, OSError):
             pass
         finally:
@@ -230,6 +235,18 @@ class DbProcess:
                 logger.error("group %s: %s", self.group_id, reason)
                 if self.on_exit is not None:
                     self.on_exit(reason)
+
+    def _is_healthy(self) -> bool:
+        """`healthy()`; False (leases run out) when it raises: this thread must live on,
+        or the link would end and the group with it."""
+        if self.healthy is None:
+            return True
+        try:
+            return bool(self.healthy())
+        except Exception:
+            logger.exception("group %s: the health check raised; reporting unhealthy",
+                             self.group_id)
+            return False
 
     def _handle(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
