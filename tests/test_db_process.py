@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from datetime import timedelta
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import pytest
 from sqlalchemy import update
@@ -24,18 +26,25 @@ from workers.job_rows import JobProgress, JobResult
 USAGE = {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5, "cached_tokens": 0}
 
 
-def _claimed(session_factory, group_id: str, *, lease_seconds: float = 5.0) -> str:
-    """A job row as a claim leaves it: running, this group's, attempt 1."""
+def _claimed(db: DbProcess, session_factory) -> str:
+    """A job claimed by `db` (running, its group's, attempt 1, its lease renewed)."""
     # NOTE: a model no worker serves: a later test's beat may queue it again once its
     # lease runs out, and no worker may then claim it ahead of that test's jobs
     job_id = insert_job(session_factory, model=f"unserved-{uuid.uuid4().hex[:6]}",
                         prompt="hello")
-    with session_factory.begin() as session:
-        session.execute(update(Job).where(Job.id == uuid.UUID(job_id)).values(
-            status=JobStatus.RUNNING.value, worker=group_id, attempts=1,
-            started_at=utcnow(),
-            lease_expires_at=utcnow() + timedelta(seconds=lease_seconds)))
+    assert [str(row.id) for row in db.claims.one(uuid.UUID(job_id))] == [job_id]
     return job_id
+
+
+@contextmanager
+def _serving(settings, **callbacks: Any) -> Iterator[DbProcess]:
+    """A started database process of a new group, stopped after the block."""
+    db = DbProcess(settings, f"db-proc-{uuid.uuid4().hex[:6]}", "tiny", **callbacks)
+    db.start()
+    try:
+        yield db
+    finally:
+        db.stop(10.0)
 
 
 def _result(job_id: str, text: str = "abc") -> JobResult:
@@ -54,23 +63,19 @@ def settings(service_settings):
 @pytest.fixture
 def link(settings):
     """(process handle, group id, lost attempts, exit reasons, health flag)."""
-    group_id = f"db-proc-{uuid.uuid4().hex[:6]}"
     lost: list[tuple[str, int]] = []
     exits: list[str] = []
     health = {"ok": True}
-    db = DbProcess(settings, group_id, "tiny", healthy=lambda: health["ok"],
-                   on_lost=lambda job_id, attempt: lost.append((job_id, attempt)),
-                   on_exit=exits.append)
-    db.start()
-    yield db, group_id, lost, exits, health
-    db.stop(10.0)
+    with _serving(settings, healthy=lambda: health["ok"],
+                  on_lost=lambda job_id, attempt: lost.append((job_id, attempt)),
+                  on_exit=exits.append) as db:
+        yield db, db.group_id, lost, exits, health
 
 
 def test_a_result_sent_to_the_database_process_is_stored_then_published(
         link, session_factory, redis_client, settings):
-    db, group_id, lost, exits, _ = link
-    job_id = _claimed(session_factory, group_id)
-    db.own(job_id, 1)
+    db, _, lost, exits, _ = link
+    job_id = _claimed(db, session_factory)
     db.progress([JobProgress(job_id, "ab", 2, 1, first_token_at=utcnow())])
     assert wait_for(lambda: read_job(session_factory, job_id).output_text == "ab", 10,
                     "the progress row")
@@ -109,23 +114,18 @@ def test_claims_run_there_and_come_back_owned_with_their_cancel_flags(
 def test_a_claim_postgres_refuses_raises_and_claims_nothing(settings, session_factory):
     broken = settings.with_overrides(
         database_url="postgresql+psycopg://nobody@127.0.0.1:1/nothing")
-    db = DbProcess(broken, f"db-proc-{uuid.uuid4().hex[:6]}", "tiny")
-    db.start()
-    try:
+    with _serving(broken) as db:
         # NOTE: a model no worker serves: the row stays queued after the test
         job_id = insert_job(session_factory, model=f"unserved-{uuid.uuid4().hex[:6]}")
         with pytest.raises(ClaimUnavailable, match="OperationalError"):
             db.claims.one(uuid.UUID(job_id))
         assert db.owned() == {}
-    finally:
-        db.stop(5.0)
 
 
 def test_a_write_that_finds_the_row_moved_on_reports_the_lost_attempt(
         link, session_factory, redis_client, settings):
-    db, group_id, lost, _, _ = link
-    job_id = _claimed(session_factory, group_id)
-    db.own(job_id, 1)
+    db, _, lost, _, _ = link
+    job_id = _claimed(db, session_factory)
     assert db.owned() == {job_id: 1}
     with session_factory.begin() as session:  # reclaimed and claimed by another group
         session.execute(update(Job).where(Job.id == uuid.UUID(job_id)).values(
@@ -139,10 +139,9 @@ def test_a_write_that_finds_the_row_moved_on_reports_the_lost_attempt(
 
 def test_leases_are_renewed_only_while_the_worker_says_steps_complete(
         link, session_factory):
-    db, group_id, _, _, health = link
-    job_id = _claimed(session_factory, group_id, lease_seconds=1.0)
+    db, _, _, _, health = link
+    job_id = _claimed(db, session_factory)
     first = read_job(session_factory, job_id).lease_expires_at
-    db.own(job_id, 1)
     renewed = wait_for(
         lambda: (lambda at: at if at > first else None)(
             read_job(session_factory, job_id).lease_expires_at), 10, "a lease renewal")
@@ -155,12 +154,10 @@ def test_leases_are_renewed_only_while_the_worker_says_steps_complete(
 
 def test_a_worker_that_vanishes_still_gets_its_queued_results_written(
         settings, session_factory):
-    group_id = f"db-proc-{uuid.uuid4().hex[:6]}"
-    db = DbProcess(settings, group_id, "tiny")
+    db = DbProcess(settings, f"db-proc-{uuid.uuid4().hex[:6]}", "tiny")
     db.start()
-    job_ids = [_claimed(session_factory, group_id) for _ in range(3)]
+    job_ids = [_claimed(db, session_factory) for _ in range(3)]
     for job_id in job_ids:
-        db.own(job_id, 1)
         db.finish(_result(job_id))
     db._stopping = True  # the test ends the link, as a killed worker would
     db._conn.close()
@@ -194,15 +191,9 @@ def test_a_database_process_that_dies_before_it_serves_fails_the_start(settings)
 def test_a_health_check_that_raises_counts_as_unhealthy_and_keeps_the_link(
         settings, session_factory):
     exits: list[str] = []
-    db = DbProcess(settings, f"db-proc-{uuid.uuid4().hex[:6]}", "tiny",
-                   healthy=lambda: 1 / 0, on_exit=exits.append)
-    db.start()
-    try:
-        job_id = _claimed(session_factory, db.group_id, lease_seconds=1.0)
+    with _serving(settings, healthy=lambda: 1 / 0, on_exit=exits.append) as db:
+        job_id = _claimed(db, session_factory)
         held = read_job(session_factory, job_id).lease_expires_at
-        db.own(job_id, 1)
         time.sleep(1.5)  # several renewal periods
         assert read_job(session_factory, job_id).lease_expires_at == held
         assert db.flush(10.0) and exits == []
-    finally:
-        db.stop(10.0)

@@ -10,16 +10,16 @@ terminal events; ~0.25 ms of CPU per batch line) and the claims (`JobClaims`: th
 conditional UPDATEs, their rows, the cancel flags; ~0.2 ms per batch line, and an
 interactive job's claim waited for the GIL between each of its round trips).
 
-`DbProcess` is the handle the worker holds: `DbWriter`'s calls (`own`, `progress`,
-`finish`, `requeue`, `flush`, `owned`, `stop`) and, as `claims`, `JobClaims`'s (`one`,
-`with_ahead`, `lines`), each a message on a socket pair to `python -m
-workers.db_process`, which runs an unchanged `DbWriter` and `JobClaims` (its own database
-pool, Redis client, and Celery app for requeue messages). A claim blocks its caller (a
-task thread, the batch feeder) until the rows come back, already owned; claims run on
-threads of their own there, beside the writer. Writes keep the order they were sent in,
-so a terminal row is still written after the job's progress, and its terminal event
-still follows its last token event (the batcher hands a result over only once its token
-events are out).
+`DbProcess` is the handle the worker holds: `DbWriter`'s calls (`progress`, `finish`,
+`requeue`, `flush`, `owned`, `stop`; no `own`: the claims own what they claim) and, as
+`claims`, `JobClaims`'s (`one`, `with_ahead`, `lines`), each a message on a socket pair
+to `python -m workers.db_process`, which runs an unchanged `DbWriter` and `JobClaims`
+(its own database pool, Redis client, and Celery app for requeue messages). A claim
+blocks its caller (a task thread, the batch feeder) until the rows come back, already
+owned; claims run on threads of their own there, beside the writer. Writes keep the order
+they were sent in, so a terminal row is still written after the job's progress, and its
+terminal event still follows its last token event (the batcher hands a result over only
+once its token events are out).
 
 Back to the worker: `lost` (a write found the row moved on: `on_lost`) and replies. The
 worker tells the database process every `HEALTH_SECONDS` whether steps complete; leases
@@ -140,9 +140,6 @@ class DbProcess:
 
     # -- DbWriter's calls --------------------------------------------------------------
 
-    def own(self, job_id: str, attempt: int) -> None:
-        self._send(("own", job_id, attempt))
-
     def progress(self, items: list[JobProgress]) -> None:
         if items:
             self._send(("progress", items))
@@ -206,14 +203,13 @@ class DbProcess:
         name_this_thread()
         conn = self._conn
         assert conn is not None
-        told: tuple[bool, float] | None = None  # (health, when)
+        told_at: float | None = None  # when the health was last sent
         try:
             while True:
                 now = time.monotonic()
-                if told is None or now - told[1] >= HEALTH_SECONDS:
-                    healthy = self._is_healthy()
-                    self._send(("health", healthy))
-                    told = (healthy, now)
+                if told_at is None or now - told_at >= HEALTH_SECONDS:
+                    self._send(("health", self._is_healthy()))
+                    told_at = now
                 if not conn.poll(HEALTH_SECONDS):
                     continue
                 message = conn.recv()
@@ -314,15 +310,16 @@ class _DbService:
         # the writer's connection, the claim threads', and a little slack
         self.db_engine = create_db_engine(settings.database_url,
                                           pool_size=1 + CLAIM_THREADS, max_overflow=2)
+        session_factory = make_sessionmaker(self.db_engine)
         self.redis = make_redis(settings.redis_url)
         app = create_celery(settings)
         self.writer = DbWriter(
-            settings, make_sessionmaker(self.db_engine),
+            settings, session_factory,
             EventPublisher(self.redis, settings).publish,
             lambda job_id: send_generate(app, settings, job_id, model), group_id,
             healthy=self._healthy, on_lost=self._on_lost)
-        self.claims = JobClaims(settings, make_sessionmaker(self.db_engine), self.redis,
-                                group_id, own=self.writer.own)
+        self.claims = JobClaims(settings, session_factory, self.redis, group_id,
+                                own=self.writer.own)
         self._claim_pool = ThreadPoolExecutor(CLAIM_THREADS, thread_name_prefix="llmq-claims")
 
     def _send(self, message: tuple[Any, ...]) -> None:
@@ -369,8 +366,6 @@ class _DbService:
             writer.finish(message[1])
         elif kind == "progress":
             writer.progress(message[1])
-        elif kind == "own":
-            writer.own(message[1], message[2])
         elif kind == "requeue":
             writer.requeue(message[1], message[2], give_back=message[3],
                            send_message=message[4])
