@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     app = create_celery(settings)
     runtime = GroupRuntime(settings, app, args.model_name, model_dir, group_id,
                            heartbeat_seconds=args.heartbeat_seconds,
-                           concurrency=args.concurrency, group=topology.groups[index],
+                           group=topology.groups[index],
                            tp_timeout_seconds=args.tp_timeout)
     build_app(settings, runtime)
     try:

@@ -51,8 +51,7 @@ class GroupRuntime:
 
     def __init__(self, settings: Settings, app: Celery, model_name: str, model_dir: str,
                  group_id: str, *, heartbeat_seconds: float = 2.0,
-                 concurrency: int = DEFAULT_CONCURRENCY, group: DeviceGroup | None = None,
-                 tp_timeout_seconds: float = 120.0) -> None:
+                 group: DeviceGroup | None = None, tp_timeout_seconds: float = 120.0) -> None:
         self.group = group
         self.tp_timeout_seconds = tp_timeout_seconds
         self.failure: str | None = None  # why the group's runner failed (it then exits)
@@ -62,7 +61,6 @@ class GroupRuntime:
         self.model_dir = model_dir
         self.group_id = group_id
         self.heartbeat_seconds = heartbeat_seconds
-        self.concurrency = concurrency
         self.admission: JobAdmission | None = None
         self._started = False
         self._stopped = threading.Event()
@@ -93,8 +91,8 @@ class GroupRuntime:
         started = time.monotonic()
         # the database process (writes, claims) imports and connects while the model loads
         self.db = DbProcess(s, self.group_id, self.model_name,
-                                healthy=self._steps_complete, on_lost=self._on_lost,
-                                on_exit=self._on_db_process_exit)
+                            healthy=self._steps_complete, on_lost=self._on_lost,
+                            on_exit=self._on_db_process_exit)
         self.db.launch()
         group = self.group or build_topology(s.device, None, 1).groups[0]
         tp = group.tp_size
@@ -247,7 +245,7 @@ class GroupRuntime:
             self.batcher.aborted = []
         for job_id, attempt in jobs.items():
             self.db.requeue(job_id, attempt, give_back=True,
-                                send_message=job_id not in batch_lines)
+                            send_message=job_id not in batch_lines)
         logger.error("group %s handed back %d jobs", self.group_id, len(jobs))
         try:
             self.heartbeat.beat()
@@ -308,7 +306,7 @@ class GroupRuntime:
             # NOTE: not the job's fault: the attempt is given back (rolling restarts never
             # spend a job's retry budget)
             self.db.requeue(job.job_id, job.attempt, give_back=True,
-                                send_message=not is_batch_priority(job.priority))
+                            send_message=not is_batch_priority(job.priority))
         if aborted:
             logger.info("group %s requeued %d unfinished jobs", self.group_id, len(aborted))
         self.db.stop()
