@@ -7,8 +7,6 @@ each process loads a model's tokenizer once, on first use, through `transformers
 
 from __future__ import annotations
 
-import atexit
-import gc
 import json
 import logging
 import threading
@@ -16,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tasks.gc_freeze import freeze_loaded_objects
 from tasks.params import ModelLimits
 from tasks.settings import Settings
 from webapp.tool_calls import messages_for_template
@@ -143,7 +142,9 @@ class ModelRegistry:
             if model is None:
                 model = self._load(name, path)
                 self._models[name] = model
-                _freeze_loaded_objects()
+                # NOTE: loading a tokenizer imports transformers: ~300,000 objects that
+                # every full collection would walk (180 ms) while the process waits
+                freeze_loaded_objects()
         return model
 
     def preload(self) -> list[str]:
@@ -152,7 +153,7 @@ class ModelRegistry:
         before).
 
         NOTE: loaded lazily, the first request to each web process waited for the
-        tokenizer and the full collection after it (`_freeze_loaded_objects`), and so did
+        tokenizer and the full collection after it (`freeze_loaded_objects`), and so did
         every request and event stream of the process behind it: with two web processes
         and a warm-up that reached only one, that stall fell into a burst of submissions.
         """
@@ -185,18 +186,3 @@ class ModelRegistry:
                     name, path, max_model_len, vocab_size)
         return ServedModel(name=name, path=path, max_model_len=max_model_len,
                            vocab_size=vocab_size, tokenizer=tokenizer)
-
-
-def _freeze_loaded_objects() -> None:
-    """Move every object the process holds to the garbage collector's permanent
-    generation (`gc.freeze`), after a tokenizer load.
-
-    NOTE: loading a tokenizer imports transformers: the process then holds ~300,000
-    objects, and each full collection walked them all (180 ms) while every request and
-    event stream of the process waited. They live as long as the process; frozen, later
-    collections walk only what requests make. Once per model and process.
-    """
-    if gc.get_freeze_count() == 0:
-        atexit.register(gc.unfreeze)  # the interpreter's last collection frees them
-    gc.collect()
-    gc.freeze()

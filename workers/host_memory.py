@@ -8,23 +8,18 @@ again: in the worker (the step runs on the batcher thread, beside a dozen other 
 that was ~7,000 page faults and a third of the step's CPU time. Raising the mmap and trim
 thresholds keeps freed memory in the process for the next step.
 
-Python's cyclic garbage collector stops every thread while it runs, and a full
-collection walks every object the process holds. After the model, the tokenizer and the
-libraries are loaded that is over a million objects, and a full collection of them took
-159 ms in the middle of a batch (one step, 8 ms at the median, held up twenty times over;
-an interactive request arriving then waits for it). None of those objects ever becomes
-garbage, so `freeze_startup_objects` moves them out of the collector's sight once, when
-the group is ready: later collections walk only what serving made.
+Python's garbage collector: `freeze_startup_objects` moves what loading made out of its
+sight once the group is ready (`tasks/gc_freeze.py` says why).
 """
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import ctypes.util
-import gc
 import logging
 import sys
+
+from tasks.gc_freeze import freeze_loaded_objects
 
 logger = logging.getLogger(__name__)
 
@@ -60,16 +55,9 @@ def keep_freed_memory() -> bool:
 
 
 def freeze_startup_objects() -> int:
-    """Collect once, then move every object the process holds to the collector's
-    permanent generation (`gc.freeze`): full collections during serving no longer walk
-    the model's, the tokenizer's and the libraries' objects. Returns how many were frozen.
-    """
-    if gc.get_freeze_count() == 0:
-        # NOTE: handed back at exit, so the interpreter's last collection frees them (and
-        # native extensions do not report them as leaked)
-        atexit.register(gc.unfreeze)
-    gc.collect()
-    gc.freeze()
-    frozen = gc.get_freeze_count()
+    """`tasks.gc_freeze.freeze_loaded_objects` once the group is loaded: full collections
+    during serving no longer walk the model's, the tokenizer's and the libraries' objects.
+    Returns how many were frozen."""
+    frozen = freeze_loaded_objects()
     logger.info("%d objects made at start-up frozen out of garbage collection", frozen)
     return frozen
