@@ -200,7 +200,7 @@ class Services:
 
 def thread_cpu(pid: int, totals: dict[str, float] | None = None) -> dict[str, float]:
     """CPU seconds so far of each named thread of process `pid` and of its child processes
-    (the worker's writer process) (Linux; the worker names its threads,
+    (the worker's database process) (Linux; the worker names its threads,
     workers/thread_names.py), summed by name; {} where /proc is missing."""
     ticks = os.sysconf("SC_CLK_TCK")
     totals = {} if totals is None else totals
