@@ -494,3 +494,50 @@ def test_batch_lines_results_wait_to_share_a_write_and_an_interactive_one_does_n
         assert writes[0][1] == 1 and writes[0][0] - sent < 0.5
     finally:
         writer.stop()
+
+
+def test_hostile_rows_claimed_with_good_ones_through_the_database_process_fail_alone(
+        service_settings, session_factory, redis_client, tiny_engine):
+    """The worker's own wiring (workers/runtime.py): claims and writes in the group's
+    database process. One claim takes a good job, a row with parameters no worker can run
+    (written past the API), a row whose prompt runs past the context, and one with a
+    token id outside the vocabulary: each bad one fails alone with its reason, and the
+    good one's tokens equal the engine's own."""
+    from workers.db_process import DbProcess
+
+    settings = service_settings.with_overrides(lease_renew_seconds=0.2, lease_seconds=5.0)
+    model = f"hostile-{uuid.uuid4().hex[:6]}"
+    db = DbProcess(settings, f"test-group-{uuid.uuid4().hex[:6]}", model)
+    db.start()
+    publisher = EventPublisher(redis_client, settings)
+    batcher = Batcher(tiny_engine, publisher, db, capacity=8, progress_interval=0.1)
+    admission = JobAdmission(settings, db.claims, batcher, db, db.group_id,
+                             lambda job_id: None, model=model)
+    batcher.start()
+    try:
+        good = insert_job(session_factory, model=model, prompt="hello world",
+                          params={"max_tokens": 6, "ignore_eos": True, **GREEDY})
+        bad_params = insert_job(session_factory, model=model,
+                                params={"max_tokens": 4, "temperature": "hot"})
+        too_long = insert_job(session_factory, model=model, prompt=None,
+                              prompt_token_ids=[7] * 50_000, params={"max_tokens": 4})
+        bad_token = insert_job(session_factory, model=model, prompt=None,
+                               prompt_token_ids=[5, 10**9], params={"max_tokens": 4})
+        assert admission.run(good) is GenerateOutcome.ADMITTED
+        rows = {job_id: wait_terminal(session_factory, job_id)
+                for job_id in (good, bad_params, too_long, bad_token)}
+        assert all(row.attempts == 1 for row in rows.values())
+        assert rows[good].status == JobStatus.SUCCEEDED.value
+        for job_id in (bad_params, too_long, bad_token):
+            assert rows[job_id].status == JobStatus.FAILED.value, rows[job_id].error
+            assert rows[job_id].error_kind == "invalid_request", rows[job_id].error
+        assert "temperature" in rows[bad_params].error
+        tiny_engine.add_request("offline-hostile", "hello world",
+                                SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0))
+        offline: list[int] = []
+        while tiny_engine.has_unfinished_requests():
+            offline += [t for d in tiny_engine.step() for t in d.new_token_ids]
+        assert rows[good].output[0]["token_ids"] == offline
+    finally:
+        batcher.drain(0.0)
+        db.stop(10.0)
