@@ -25,7 +25,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from redis import Redis
-from sqlalchemy import ColumnElement, and_, case, func, or_, select, update
+from sqlalchemy import ColumnElement, Row, and_, case, func, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from tasks.db import has_passed, update_count, utcnow
@@ -117,7 +117,9 @@ def finalize_if_done(session_factory: sessionmaker[Session], batch_id: str) -> b
             **{_FINAL_TIME[final]: now}))
         if not won:
             return False  # another process finished it (nothing was written here)
-        jobs = session.scalars(select(Job).where(Job.batch_id == batch_id)
+        # NOTE: the columns a line needs, not whole Job objects (their prompts and messages
+        # too): a 2,000-line batch's last job is waited on this long
+        jobs = session.execute(select(*_LINE_COLUMNS).where(Job.batch_id == batch_id)
                                .order_by(Job.batch_index)).all()
         output: list[str] = []
         errors: list[str] = []
@@ -141,8 +143,16 @@ def finalize_if_done(session_factory: sessionmaker[Session], batch_id: str) -> b
     return True
 
 
-def output_line(job: Job, final: BatchStatus) -> tuple[dict[str, Any], bool]:
-    """A job's line in the output file (True) or the error file (False)."""
+# what `output_line` reads of a job
+_LINE_COLUMNS = (Job.id, Job.custom_id, Job.status, Job.kind, Job.model, Job.params,
+                 Job.output, Job.finish_reason, Job.prompt_tokens, Job.completion_tokens,
+                 Job.cached_tokens, Job.created_at, Job.started_at, Job.error,
+                 Job.error_kind)
+
+
+def output_line(job: Job | Row[Any], final: BatchStatus) -> tuple[dict[str, Any], bool]:
+    """A job's line in the output file (True) or the error file (False); `job` is a Job
+    or a row of `_LINE_COLUMNS`."""
     line: dict[str, Any] = {"id": "batch_req_" + job.id.hex, "custom_id": job.custom_id,
                             "response": None, "error": None}
     if job.status == JobStatus.SUCCEEDED.value:
