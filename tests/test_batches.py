@@ -262,7 +262,10 @@ def test_create_batch_rejects_bad_bodies_with_4xx(base_url, client):
 
 
 def test_cancel_leaves_partial_results(client, worker):
-    lines = [_chat_line(f"c{i}", f"story {i}", max_tokens=48) for i in range(24)]
+    # NOTE: two short lines, then long ones: lines of one length that run together end
+    # together, and the cancel could come after the last of them
+    lines = [_chat_line(f"c{i}", f"story {i}", max_tokens=4 if i < 2 else 256)
+             for i in range(24)]
     batch = client.batches.create(input_file_id=_upload(client, lines).id,
                                   endpoint="/v1/chat/completions", completion_window="24h")
     wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 2, 120,
