@@ -220,6 +220,22 @@ def test_max_model_len_never_exceeds_what_the_kv_cache_holds(tiny_qwen3_dir: Pat
         make_engine(tiny_qwen3_dir, num_blocks=4, max_model_len=128)
 
 
+def _run_with_priorities(engine: Engine, requests: list[tuple[str, list[int], SamplingParams,
+                                                             int, int]]) -> dict[str, list[int]]:
+    """Step until done, adding (request_id, prompt, params, priority, arrival step)."""
+    tokens: dict[str, list[int]] = {}
+    step = 0
+    while engine.has_unfinished_requests() or any(r[4] >= step for r in requests):
+        for request_id, prompt, params, priority, at in requests:
+            if at == step:
+                engine.add_request(request_id, prompt, params, priority)
+                tokens[request_id] = []
+        for delta in engine.step():
+            tokens[delta.request_id] += delta.new_token_ids
+        step += 1
+    return tokens
+
+
 def test_a_background_band_that_gives_way_to_prompts_changes_no_tokens(
         tiny_qwen3_dir: Path) -> None:
     rng = random.Random(99)
@@ -232,19 +248,88 @@ def test_a_background_band_that_gives_way_to_prompts_changes_no_tokens(
                          rng.randint(0, 40)))
     engine = make_engine(tiny_qwen3_dir, max_num_seqs=16, max_num_batched_tokens=64,
                          long_prefill_token_threshold=24, background_priority=100)
-    tokens: dict[str, list[int]] = {}
-    step = 0
-    while engine.has_unfinished_requests() or any(r[4] >= step for r in requests):
-        for request_id, prompt, params, priority, at in requests:
-            if at == step:
-                engine.add_request(request_id, prompt, params, priority)
-                tokens[request_id] = []
-        for delta in engine.step():
-            tokens[delta.request_id] += delta.new_token_ids
-        step += 1
+    tokens = _run_with_priorities(engine, requests)
     assert engine.scheduler.bands.num_deferred_steps > 0
     assert_engine_empty(engine)
     alone = make_engine(tiny_qwen3_dir, enable_prefix_caching=False)
     for request_id, prompt, params, _, _ in requests:
         ref, _, _ = run_all(alone, {0: [(request_id, prompt, params)]})
         assert tokens[request_id] == ref[request_id][0], request_id
+
+
+def test_background_steps_stopped_between_layers_change_no_tokens(tiny_qwen3_dir: Path) -> None:
+    """A background-only step that stops between layers (`Engine.set_step_yield`, how the
+    service lets an interactive job in) runs again in full: no token changes, and the KV
+    it half wrote is never served from the prefix cache."""
+    rng = random.Random(7)
+    shared = [rng.randrange(3, 500) for _ in range(40)]  # 2.5 blocks several prompts share
+    requests = []
+    for i in range(24):
+        head = shared if i % 3 == 0 else []
+        prompt = head + [rng.randrange(3, 500) for _ in range(rng.randint(4, 40))]
+        params = SamplingParams(max_tokens=rng.randint(8, 24), temperature=0.0)
+        requests.append((f"req{i}", prompt, params, 100 if i % 5 else 0, rng.randint(0, 30)))
+    engine = make_engine(tiny_qwen3_dir, max_num_seqs=8, max_num_batched_tokens=64,
+                         long_prefill_token_threshold=24, background_priority=100)
+    asks: list[int] = []
+
+    def should_yield() -> bool:
+        asks.append(1)
+        return len(asks) % 3 != 0  # stops before layer 0, or before layer 1 after layer 0
+
+    # the tiny model has 2 layers: allow both (the default is the first half)
+    assert engine.set_step_yield(should_yield, before_layers=2)
+    tokens = _run_with_priorities(engine, requests)
+    # a second wave of the same prompts reads the prefix cache the first one filled
+    again = [(f"again{i}", prompt, params, priority, 0)
+             for i, (_, prompt, params, priority, _) in enumerate(requests)]
+    tokens_again = _run_with_priorities(engine, again)
+    stopped = engine.num_interrupted_steps
+    assert stopped >= 10 and engine.stats().num_interrupted_steps == stopped
+    assert len(asks) > stopped  # some steps were asked at layer 1, after layer 0 ran
+    assert engine.stats().prefix_cache_hits > 0
+    assert_engine_empty(engine)
+    alone = make_engine(tiny_qwen3_dir, enable_prefix_caching=False)
+    for i, (request_id, prompt, params, _, _) in enumerate(requests):
+        ref, _, _ = run_all(alone, {0: [(request_id, prompt, params)]})
+        assert tokens[request_id] == ref[request_id][0], request_id
+        assert tokens_again[f"again{i}"] == ref[request_id][0], request_id
+
+
+def test_steps_with_foreground_work_never_stop(tiny_qwen3_dir: Path) -> None:
+    engine = make_engine(tiny_qwen3_dir, background_priority=100)
+    asks: list[int] = []
+    assert engine.set_step_yield(lambda: bool(asks.append(1)) or True)
+    tokens = _run_with_priorities(engine, [
+        (f"fg{i}", [5 + i, 6, 7, 8], SamplingParams(max_tokens=6, temperature=0.0), 0, i)
+        for i in range(4)])
+    assert not asks and engine.num_interrupted_steps == 0
+    assert all(len(t) == 6 for t in tokens.values())
+    # background decodes beside a foreground prompt or decode: never asked; alone: asked
+    mixed = make_engine(tiny_qwen3_dir, background_priority=100)
+    asked_at: list[list[int]] = []
+
+    def should_yield() -> bool:
+        asked_at.append([s.priority for s in mixed.scheduler.running])
+        return False
+
+    assert mixed.set_step_yield(should_yield)
+    mixed.add_request("bg", [5, 6, 7, 8], SamplingParams(max_tokens=12, temperature=0.0), 100)
+    for _ in range(3):
+        mixed.step()
+    before = len(asked_at)
+    assert before > 0
+    mixed.add_request("fg", list(range(9, 60)), SamplingParams(max_tokens=4, temperature=0.0))
+    mixed.step()  # the foreground prompt (alone: the band waits for it)
+    assert len(asked_at) == before
+    mixed.step()  # the foreground decode beside the background one
+    assert len(asked_at) == before
+    while mixed.has_unfinished_requests():
+        mixed.step()
+    assert len(asked_at) > before and all(p == [100] for p in asked_at)
+    # without a step yield (the default) a background step is never asked either
+    plain = make_engine(tiny_qwen3_dir, background_priority=100)
+    plain.add_request("bg", [5, 6, 7], SamplingParams(max_tokens=4, temperature=0.0), 100)
+    while plain.has_unfinished_requests():
+        plain.step()
+    assert plain.num_interrupted_steps == 0

@@ -50,6 +50,8 @@ class EngineStats:
     prompt_tokens_total: int  # prompt tokens of admitted requests
     generation_tokens_total: int  # tokens sampled
     num_steps: int
+    # background-only steps stopped between layers for a foreground request (set_step_yield)
+    num_interrupted_steps: int = 0
 
 
 class PromptTooLongError(ValueError):

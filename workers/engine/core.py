@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -16,7 +17,7 @@ from kvcache.kv_cache_manager import KVCacheManager
 from tasks.params import ModelLimits, SamplingParams, check_token_ids
 from workers.engine.config import EngineConfig, EngineStats, PromptTooLongError
 from workers.engine.detokenizer import IncrementalDetokenizer
-from workers.engine.errors import DeviceGroupError
+from workers.engine.errors import DeviceGroupError, StepInterrupted
 from workers.engine.outputs import CompletionDelta
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Sequence, SequenceStatus
@@ -104,6 +105,57 @@ class Engine:
         self._generation_tokens_total = 0
         # structured outputs: built with the first constrained request
         self._structured: StructuredOutputManager | None = None
+        # `set_step_yield`: a background-only step may stop between layers
+        self.num_interrupted_steps = 0
+        self._step_yield: Callable[[], bool] | None = None
+        self._yield_before = 0  # layers a step may stop before (the first half)
+        self._yield_armed = False  # this step may stop
+        self._stopped_last_step = False
+
+    def set_step_yield(self, should_yield: Callable[[], bool] | None,
+                       before_layers: int | None = None) -> bool:
+        """Let a step that runs background sequences only (`EngineConfig`'s
+        background_priority band) stop before one of its first `before_layers` layers
+        (default: the first half) when `should_yield()` says so (the service: a
+        foreground job is waiting to be added). Its chunks then run again in the next
+        step, which the caller builds with the new request in it, so a foreground request
+        waits for a layer rather than for a whole batch step. Past half the layers,
+        finishing the step costs less than what stopping would throw away. The step after
+        a stopped one never stops, so steps always progress. Returns False when the
+        runner cannot stop a step (tensor parallelism, a runner without a layer loop);
+        then nothing changes."""
+        if should_yield is None:
+            self._step_yield = None
+            setter = getattr(self.runner, "set_yield_check", None)
+            if setter is not None:
+                setter(None)
+            return True
+        setter = getattr(self.runner, "set_yield_check", None)
+        num_layers = setter(self._should_stop) if setter is not None else 0
+        if num_layers <= 0:
+            return False
+        self._step_yield = should_yield
+        self._yield_before = before_layers if before_layers is not None \
+            else max(1, num_layers // 2)
+        return True
+
+    def _should_stop(self, layer_index: int) -> bool:
+        """The model asks before each layer (the batcher thread, inside the forward)."""
+        should_yield = self._step_yield
+        return (self._yield_armed and layer_index < self._yield_before
+                and should_yield is not None and should_yield())
+
+    def _may_stop(self, scheduler_output: SchedulerOutput) -> bool:
+        """Whether this step may stop between layers: background sequences only (a
+        foreground one never loses work to another), and no KV loaded into it from a tier
+        (run again, those blocks would load again)."""
+        if (self._step_yield is None or scheduler_output.blocks_to_load
+                or self._stopped_last_step):
+            return False
+        is_background = self.scheduler.bands.is_background
+        seqs = self.scheduler.seqs
+        return all(s.seq_id in seqs and is_background(seqs[s.seq_id])
+                   for s in scheduler_output.scheduled)
 
     def close(self, timeout: float | None = 10.0) -> None:
         """Release what outlives a step: write queued KV blocks to the tiers and close them;
@@ -160,6 +212,7 @@ class Engine:
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
             num_steps=self._num_steps,
+            num_interrupted_steps=self.num_interrupted_steps,
         )
 
     # ---- requests -------------------------------------------------------------------
@@ -275,7 +328,14 @@ class Engine:
             try:
                 if structured is not None:
                     structured.fill_bitmask(scheduler_output, self.scheduler.seqs)
+                self._yield_armed = self._may_stop(scheduler_output)
+                self._stopped_last_step = False
                 runner_output = self.runner.execute(scheduler_output)
+            except StepInterrupted:
+                self.scheduler.step_interrupted(scheduler_output)
+                self.num_interrupted_steps += 1
+                self._stopped_last_step = True
+                return failed
             except DeviceGroupError:
                 # NOTE: nothing to isolate; what the step was to write stays unfindable
                 self.num_failed_steps += 1
@@ -284,6 +344,8 @@ class Engine:
                 raise
             except Exception as exc:
                 return failed + self._step_failed(scheduler_output, exc)
+            finally:
+                self._yield_armed = False
         else:
             if structured is not None and structured.num_pending:
                 structured.wait_for_compiles(IDLE_GRAMMAR_WAIT_SECONDS)

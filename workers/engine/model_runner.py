@@ -281,6 +281,17 @@ class ModelRunner:
         return ModelRunnerOutput(seq_ids=[s.seq_id for s in seqs],
                                  sampled_token_ids=token_ids, logprobs=logprobs)
 
+    def set_yield_check(self, check: Callable[[int], bool] | None) -> int:
+        """Ask `check(layer_index)` before each layer of the layer loop (None: never);
+        True stops the step there (`workers.engine.errors.StepInterrupted`). Returns the
+        number of layers, or 0 when this runner cannot stop a step: the ranks of a
+        tensor-parallel group run each layer's collectives together, so none stops alone."""
+        setter = getattr(self.model, "set_yield_check", None)
+        if self.loaded.tp_size > 1 or setter is None:
+            return 0
+        setter(check)
+        return self.loaded.config.num_layers
+
     def execute_shard(self, out: SchedulerOutput) -> None:
         """A non-driver TP rank's part of `execute`: the same forward and logits
         collectives, no sampling (rank 0 samples from the gathered logits)."""

@@ -352,6 +352,17 @@ class Scheduler:
         loaded = {block_id for block_id, _ in scheduler_output.blocks_to_load}
         return self.isolation.on_failure(failed, loaded, self._preempt)
 
+    def step_interrupted(self, scheduler_output: SchedulerOutput) -> None:
+        """The forward pass of `scheduler_output` stopped between layers (the engine's
+        step yield): every chunk of it is to run again, from where it started. What the
+        step wrote stays unregistered, as after a failed step; the blocks it allocated
+        stay with their sequences for the chunk's next run."""
+        self.kv_manager.discard_uncommitted()
+        for scheduled in scheduler_output.scheduled:
+            seq = self.seqs.get(scheduled.seq_id)
+            if seq is not None:
+                seq.num_computed_tokens = scheduled.start_pos
+
     def _can_admit(self, seq: Sequence) -> bool:
         """Whether `seq` would find a seat and KV blocks for its first chunk (counting no
         prefix-cache hit)."""

@@ -7,6 +7,7 @@ hands its new K/V and the step's `AttentionMetadata` to the kernels.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -16,6 +17,7 @@ import kernels
 from kernels import native
 from kernels.attention import AttentionMetadata
 from kernels.rotary import rope_cos_sin_cache, rope_inv_freq
+from workers.engine.errors import StepInterrupted
 from workers.engine.models.config import ModelConfig
 from workers.engine.models.layers import (
     MergedColumnParallelLinear,
@@ -150,6 +152,8 @@ class LlamaModel(nn.Module):
 
     # decode steps it takes run every layer as one native call (`use_native_decoder`)
     native_decoder: native.NativeDecoder | None = None
+    # asked before each layer of the layer loop: True stops the step (set_yield_check)
+    yield_check: Callable[[int], bool] | None = None
 
     def use_native_decoder(self, max_rows: int) -> int:
         """Run decode steps of up to `max_rows` rows as one native call over all layers
@@ -201,7 +205,10 @@ class LlamaModel(nn.Module):
             hidden, residual = decoder(hidden, cos, sin, meta)
         else:
             residual = None
-            for layer in self.layers:
+            check = self.yield_check
+            for index, layer in enumerate(self.layers):
+                if check is not None and check(index):
+                    raise StepInterrupted(f"stopped before layer {index} of {len(self.layers)}")
                 hidden, residual = layer(hidden, residual, cos, sin, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
@@ -233,6 +240,12 @@ class LlamaForCausalLM(nn.Module):
     def use_native_decoder(self, max_rows: int) -> int:
         """See `LlamaModel.use_native_decoder`."""
         return self.model.use_native_decoder(max_rows)
+
+    def set_yield_check(self, check: Callable[[int], bool] | None) -> None:
+        """`check(layer_index)` before each layer of the next forwards (None: never); True
+        stops the step there with `StepInterrupted` (the native decoder's whole-step call
+        is never stopped)."""
+        self.model.yield_check = check
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] -> float32 logits [n, vocab_size]."""
