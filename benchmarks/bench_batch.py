@@ -178,6 +178,9 @@ def run_busy(client: Any, args: argparse.Namespace, services: Services,
             "interactive_tokens": len(samples) * args.interactive_tokens,
             # from the worker's heartbeats (every second or so): roughly the batch's steps
             "tokens_per_step": tokens_per_step(group_before, group_after),
+            # batch-only steps stopped between layers to start an interactive job
+            "interrupted_steps": (group_after.get("num_interrupted_steps", 0)
+                                  - group_before.get("num_interrupted_steps", 0)),
             "ttft": samples}
 
 

@@ -42,7 +42,8 @@ HISTOGRAM_BUCKETS: dict[str, tuple[float, ...]] = {
 }
 # Counters the engine keeps cumulatively (per group lifetime); the heartbeat records
 # their growth since its previous beat.
-ENGINE_COUNTERS = ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits")
+ENGINE_COUNTERS = ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits",
+                   "num_interrupted_steps")
 JOB_STATUS_FIELD = "jobs:"  # + terminal status: jobs by terminal status
 # KV tier counters (per tier, cumulative in the heartbeat's "kv_tiers"): figure -> help.
 # Field `kv_tier:<figure>:<tier name>`; `_seconds` figures are float sums.

@@ -541,3 +541,64 @@ def test_hostile_rows_claimed_with_good_ones_through_the_database_process_fail_a
     finally:
         batcher.drain(0.0)
         db.stop(10.0)
+
+
+def test_an_interactive_job_stops_a_batch_only_step_and_no_token_changes(
+        service_settings, session_factory, redis_client, tiny_qwen3_dir):
+    """The service's wiring of `Engine.set_step_yield`: an interactive job admitted while
+    a batch line's step runs stops that step between layers (the engine's counter moves),
+    and neither the line's tokens nor the interactive jobs' change."""
+    from tasks.api.batches import BATCH_PRIORITY
+    from workers.engine.builder import build_engine
+    from workers.engine.config import EngineConfig
+
+    engine = build_engine(str(tiny_qwen3_dir), kv_cache_bytes=8 * 1024 * 1024,
+                          config=EngineConfig(block_size=16, max_num_seqs=8,
+                                              max_num_batched_tokens=512,
+                                              background_priority=BATCH_PRIORITY))
+    settings = service_settings.with_overrides(lease_renew_seconds=0.2, lease_seconds=5.0)
+    model = f"stops-{uuid.uuid4().hex[:6]}"  # no other test's queued rows
+    group_id = f"test-group-{uuid.uuid4().hex[:6]}"
+    publisher = EventPublisher(redis_client, settings)
+    writer = DbWriter(settings, session_factory, publisher.publish, lambda _: None, group_id)
+    batcher = Batcher(engine, publisher, writer, capacity=8, progress_interval=0.1)
+    admission = JobAdmission(settings, _claims(settings, session_factory, redis_client, writer,
+                                               group_id), batcher, writer, group_id,
+                             lambda _: None)
+    assert batcher.interrupts_steps
+    writer.start()
+    batcher.start()
+    line_params = {"max_tokens": 400, "ignore_eos": True, **GREEDY}
+    try:
+        line = insert_job(session_factory, model=model, prompt="a long batch line",
+                          params=line_params, priority=BATCH_PRIORITY)
+        assert admission.run(line) is GenerateOutcome.ADMITTED
+        questions: dict[str, str] = {}
+        # NOTE: one token each: an interactive job's own steps are never stopped, so they
+        # leave at once and the next one meets batch-only steps again
+        while engine.num_interrupted_steps == 0 and len(questions) < 60:
+            prompt = f"question {len(questions)}"
+            job_id = insert_job(session_factory, model=model, prompt=prompt,
+                                params={"max_tokens": 1, **GREEDY})
+            assert admission.run(job_id) is GenerateOutcome.ADMITTED
+            questions[job_id] = prompt
+            time.sleep(0.003)
+        rows = {job_id: wait_terminal(session_factory, job_id)
+                for job_id in [line, *questions]}
+    finally:
+        batcher.drain(0.0)
+        writer.stop()
+    assert engine.num_interrupted_steps >= 1
+    assert all(row.status == JobStatus.SUCCEEDED.value for row in rows.values())
+
+    def alone(prompt: str, params: dict[str, Any]) -> list[int]:
+        engine.add_request(f"alone-{uuid.uuid4().hex}", prompt, SamplingParams(**params))
+        tokens: list[int] = []
+        while engine.has_unfinished_requests():
+            tokens += [t for d in engine.step() for t in d.new_token_ids]
+        return tokens
+
+    assert rows[line].output[0]["token_ids"] == alone("a long batch line", line_params)
+    for job_id, prompt in list(questions.items())[-3:]:
+        assert rows[job_id].output[0]["token_ids"] == alone(prompt,
+                                                            {"max_tokens": 1, **GREEDY})

@@ -115,3 +115,16 @@ def test_cancel_memory_is_pruned_only_when_large_and_keeps_recent_requests():
     cancels.prune(now=EARLY_CANCEL_SECONDS + 1.0)
     assert "old" not in cancels and "recent-0" in cancels
     assert len(cancels) == PRUNE_ABOVE
+
+
+def test_an_interactive_admission_is_seen_until_the_loop_takes_it():
+    """What the engine asks between layers of a batch-only step (Engine.set_step_yield)."""
+    from tasks.api.batches import BATCH_PRIORITY
+
+    inbox = JobInbox(capacity=4)
+    line = AdmittedJob(job_id="line", prompt="x", params=SamplingParams(max_tokens=1),
+                       priority=BATCH_PRIORITY)
+    assert inbox.admit(line) and not inbox.interactive_waiting()  # a batch line: no
+    assert inbox.admit(_job("question")) and inbox.interactive_waiting()
+    inbox.take()
+    assert not inbox.interactive_waiting()

@@ -58,6 +58,9 @@ COUNTERS = {  # field -> (metric name without _total, help)
                              "Prompt tokens looked up in the prefix cache."),
     "prefix_cache_hits": ("llmq:prefix_cache_hits", "Prompt tokens found in the prefix cache."),
     "num_preemptions": ("llmq:num_preemptions", "Sequences preempted (KV cache full)."),
+    "num_interrupted_steps": ("llmq:interrupted_steps",
+                              "Batch-only steps stopped between layers to start an "
+                              "interactive job."),
 }
 assert set(ENGINE_COUNTERS) <= set(COUNTERS)
 

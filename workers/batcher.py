@@ -144,6 +144,11 @@ class Batcher:
         self.publisher = StepPublisher(publisher.sender(), self._on_published)
         # figures of finished jobs; the heartbeat writes them to Redis (no I/O here)
         self.metrics = WorkerMetrics()
+        # NOTE: a batch-only step stops between layers when an interactive job arrives, so
+        # the job waits for a layer, not for the step (Engine.set_step_yield)
+        set_step_yield = getattr(engine, "set_step_yield", None)
+        self.interrupts_steps = bool(set_step_yield is not None
+                                     and set_step_yield(self._inbox.interactive_waiting))
         self._thread = threading.Thread(target=self._run, name="llmq-batcher", daemon=True)
 
     # -- other threads -------------------------------------------------------------------

@@ -66,6 +66,9 @@ class JobInbox:
         self._num_jobs = 0  # admitted, not finished (in the engine or about to be added)
         self._num_waiting_interactive = 0  # samples of interactive jobs blocked in admit
         self._lost: set[tuple[str, int]] = set()
+        # an interactive job was admitted since the last take (read without the lock, by
+        # the engine between layers: `interactive_waiting`)
+        self._interactive_admitted = False
         self._admitting = True
         self._stopping = False
 
@@ -104,6 +107,8 @@ class JobInbox:
                 self._num_interactive_samples += need
             self._num_jobs += 1
             self._jobs.append(job)
+            if not batch:
+                self._interactive_admitted = True
             self._cv.notify_all()
         return True
 
@@ -178,9 +183,15 @@ class JobInbox:
                 self._cv.wait(timeout)
             return self._has_work()
 
+    def interactive_waiting(self) -> bool:
+        """Whether an interactive job was admitted and not taken yet. Lock-free (one
+        attribute read): the engine asks it between layers of a batch-only step."""
+        return self._interactive_admitted
+
     def take(self) -> InboxTake:
         """Take every admitted job and new cancel request (without waiting)."""
         with self._cv:
+            self._interactive_admitted = False
             jobs, self._jobs = self._jobs, []
             cancels = self._cancels.take_new()
             self._cancels.prune(time.monotonic())

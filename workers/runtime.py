@@ -282,6 +282,7 @@ class GroupRuntime:
             "prompt_tokens_total": engine.get("prompt_tokens_total", 0),
             "generation_tokens_total": engine.get("generation_tokens_total", 0),
             "num_steps": engine.get("num_steps", load.num_steps),
+            "num_interrupted_steps": engine.get("num_interrupted_steps", 0),
         }
 
     def stop(self) -> None:
