@@ -211,9 +211,14 @@ class Job(Base):
         Index("ix_jobs_queued_batch_lines", "model", "created_at", "batch_index",
               postgresql_where=text("status = 'queued' AND batch_id IS NOT NULL"),
               sqlite_where=text("status = 'queued' AND batch_id IS NOT NULL")),
-        # the queue limit counts a model's queued jobs
+        # a model's queued jobs (the dashboard's counts)
         Index("ix_jobs_queued_model", "model", postgresql_where=text("status = 'queued'"),
               sqlite_where=text("status = 'queued'")),
+        # a model's queued interactive jobs, none of its queued batch lines (thousands while
+        # a batch runs): the claim-ahead takes them in this order, the queue limit counts them
+        Index("ix_jobs_queued_interactive", "model", "priority", "created_at",
+              postgresql_where=text("status = 'queued' AND batch_id IS NULL"),
+              sqlite_where=text("status = 'queued' AND batch_id IS NULL")),
         # Only rows with a key take part. NULLS NOT DISTINCT (Postgres 15+): with auth off
         # every api_key_id is NULL, and a repeated Idempotency-Key must still collide.
         Index(
