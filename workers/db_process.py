@@ -60,6 +60,7 @@ logger = logging.getLogger(__name__)
 HEALTH_SECONDS = 0.5  # how often the worker says whether steps complete
 CLAIM_THREADS = 2  # claims run at once in the database process
 READY_TIMEOUT_SECONDS = 60.0  # start-up: imports, a database pool, Redis, Celery
+CLAIM_SWITCH_INTERVAL_SECONDS = 0.0005  # the GIL switch interval of the database process
 REPLY_TIMEOUT_SECONDS = 10.0  # `owned()`
 
 
@@ -401,6 +402,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # NOTE: an interactive job's claim waits here for the GIL while the writer thread runs
+    # a transaction of batch results; the default 5 ms interval would let that wait run long
+    sys.setswitchinterval(CLAIM_SWITCH_INTERVAL_SECONDS)
     logging.basicConfig(level=os.environ.get("LLMQ_LOG_LEVEL", "INFO").upper(),
                         format="%(asctime)s %(levelname)s %(name)s[db]: %(message)s")
     conn = Connection(int(argv[0]))
