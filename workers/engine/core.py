@@ -124,13 +124,12 @@ class Engine:
         a stopped one never stops, so steps always progress. Returns False when the
         runner cannot stop a step (tensor parallelism, a runner without a layer loop);
         then nothing changes."""
+        setter = getattr(self.runner, "set_yield_check", None)
         if should_yield is None:
             self._step_yield = None
-            setter = getattr(self.runner, "set_yield_check", None)
             if setter is not None:
                 setter(None)
             return True
-        setter = getattr(self.runner, "set_yield_check", None)
         num_layers = setter(self._should_stop) if setter is not None else 0
         if num_layers <= 0:
             return False
