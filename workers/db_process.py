@@ -60,7 +60,6 @@ logger = logging.getLogger(__name__)
 HEALTH_SECONDS = 0.5  # how often the worker says whether steps complete
 CLAIM_THREADS = 2  # claims run at once in the database process
 READY_TIMEOUT_SECONDS = 60.0  # start-up: imports, a database pool, Redis, Celery
-CLAIM_SWITCH_INTERVAL_SECONDS = 0.0005  # the GIL switch interval of the database process
 REPLY_TIMEOUT_SECONDS = 10.0  # `owned()`
 
 
@@ -102,9 +101,10 @@ class DbProcess:
             pass_fds=[theirs_fd], close_fds=True)
         theirs.close()
         self._conn = Connection(ours.detach())
-        # the worker's log level (its --loglevel), so both processes log alike
+        # the worker's log level (its --loglevel) and GIL switch interval (its
+        # --switch-interval), so both processes log and schedule their threads alike
         self._send(("init", self.settings, self.group_id, self.model,
-                    logging.getLogger().getEffectiveLevel()))
+                    logging.getLogger().getEffectiveLevel(), sys.getswitchinterval()))
         self._receiver = threading.Thread(target=self._receive, name="llmq-db-link",
                                           daemon=True)
         self._receiver.start()
@@ -402,20 +402,20 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    # NOTE: an interactive job's claim waits here for the GIL while the writer thread runs
-    # a transaction of batch results; the default 5 ms interval would let that wait run long
-    sys.setswitchinterval(CLAIM_SWITCH_INTERVAL_SECONDS)
     logging.basicConfig(level=os.environ.get("LLMQ_LOG_LEVEL", "INFO").upper(),
                         format="%(asctime)s %(levelname)s %(name)s[db]: %(message)s")
     conn = Connection(int(argv[0]))
     try:
-        kind, settings, group_id, model, log_level = conn.recv()
+        kind, settings, group_id, model, log_level, switch_interval = conn.recv()
     except (EOFError, OSError):
         return 1
     if kind != "init":
         logger.error("the database process expected init, got %r", kind)
         return 1
     logging.getLogger().setLevel(log_level)
+    # NOTE: an interactive job's claim waits here for the GIL while the writer thread runs
+    # a transaction of batch results; Python's default 5 ms interval let that wait run long
+    sys.setswitchinterval(switch_interval)
     threading.current_thread().name = "llmq-db-in"
     name_this_thread()
     _DbService(conn, settings, group_id, model).serve()
