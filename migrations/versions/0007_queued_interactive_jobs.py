@@ -1,5 +1,6 @@
-"""a model's queued interactive jobs, without its queued batch lines (a partial index for
-the claim-ahead and the queue limit)
+"""queued interactive jobs of a model, without its batch lines (a partial index)
+
+The claim-ahead of an interactive job's claim and the web's queue limit select these.
 
 Revision ID: 0007
 Revises: 0006
