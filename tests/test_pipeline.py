@@ -175,9 +175,10 @@ def test_sigterm_drains_and_requeues_what_did_not_finish(base_url, group_a, serv
                             tmp_path_factory.mktemp("workers"), args=WORKER_ARGS)
     try:
         drainer.wait_ready(redis_client)
-        # long enough that the jobs are mid-generation when SIGTERM lands
+        # long enough that the jobs are mid-generation when SIGTERM lands; twice what
+        # group-a holds (8 running, claims ahead included), so some must go to the drainer
         ids = [submit(base_url, prompt=f"drain {i}", **{**LONG, "max_tokens": 2000})["id"]
-               for i in range(8)]
+               for i in range(16)]
         wait_for(lambda: any(read_job(session_factory, i).worker == drainer.group_id
                              and read_job(session_factory, i).first_token_at for i in ids),
                  60, "a job generating on the drainer")
