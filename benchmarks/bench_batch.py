@@ -12,7 +12,9 @@ In one run, on one random checkpoint (written with `workers.engine.make_model`):
    time to first token (client side: from the POST to the first text chunk);
 3. busy: the same client while a `--num-lines` batch runs on the same worker; its TTFT
    beside idle's, and the batch's output tokens/s (create to `completed`, seen by polling)
-   beside the offline engine's.
+   beside the offline engine's. Also the served engine's tokens and milliseconds per step
+   while the lines ran (from two of the worker's heartbeats) beside the offline
+   engine's: whether the batch is slower for emptier steps or for slower ones.
 
 The three run `--rounds` times in a row (the services stay up); each round's ratios are
 taken within the round, and the summary gives their medians: on a small shared machine
@@ -87,22 +89,29 @@ def run_offline(engine: Any, args: argparse.Namespace, round_index: int) -> dict
     elapsed = time.perf_counter() - started
     return {"tokens": num_tokens, "seconds": elapsed, "tokens_per_s": num_tokens / elapsed,
             "cpu_seconds": time.thread_time() - cpu_started,
-            "tokens_per_step": num_tokens / max(1, engine.stats().num_steps - steps_before)}
+            "tokens_per_step": num_tokens / max(1, engine.stats().num_steps - steps_before),
+            "ms_per_step": 1000 * elapsed / max(1, engine.stats().num_steps - steps_before)}
 
 
 def group_figures(services: Services) -> dict[str, Any]:
-    """The worker's last heartbeat: its engine's step and token counters."""
+    """The worker's last heartbeat: its engine's step and token counters, and when they
+    were read (`engine_stats_at`)."""
     from tasks.protocol import groups_key
 
     raw = services.redis.hget(groups_key(services.settings, "bench"), "bench-group")
     return json.loads(raw) if raw else {}
 
 
-def tokens_per_step(before: dict[str, Any], after: dict[str, Any]) -> float:
+def step_figures(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
+    """Tokens per step and milliseconds per step of the served engine between two
+    heartbeats."""
     steps = after.get("num_steps", 0) - before.get("num_steps", 0)
     tokens = (after.get("generation_tokens_total", 0)
               - before.get("generation_tokens_total", 0))
-    return tokens / steps if steps > 0 else float("nan")
+    seconds = after.get("engine_stats_at", 0.0) - before.get("engine_stats_at", 0.0)
+    if steps <= 0:
+        return {"tokens_per_step": float("nan"), "ms_per_step": float("nan")}
+    return {"tokens_per_step": tokens / steps, "ms_per_step": 1000 * seconds / steps}
 
 
 def ttft(client: Any, args: argparse.Namespace, index: int) -> float:
@@ -149,18 +158,26 @@ def run_busy(client: Any, args: argparse.Namespace, services: Services,
     while batch.status == "validating":  # its lines become jobs off the request
         time.sleep(POLL_SECONDS)
         batch = client.batches.retrieve(batch.id)
-    validated = time.perf_counter()
-    group_before = group_figures(services)
+    validated, validated_unix = time.perf_counter(), time.time()
     thread = threading.Thread(target=interactive, daemon=True)
     thread.start()
     seen = {}  # status -> seconds after create when a poll first saw it
+    # NOTE: the step figures come from the first and the last heartbeat whose engine
+    # counters were read while the lines ran (heartbeats are seconds apart; a stale one
+    # would mix in the idle phase's one-token steps or the idle time after the batch)
+    group_before: dict[str, Any] = {}
+    group_after: dict[str, Any] = {}
     while batch.status not in ("completed", "failed", "expired", "cancelled"):
         time.sleep(POLL_SECONDS)
         batch = client.batches.retrieve(batch.id)
         seen.setdefault(batch.status, round(time.perf_counter() - started, 2))
+        if batch.status == "in_progress":
+            figures = group_figures(services)
+            if figures.get("engine_stats_at", 0.0) >= validated_unix:
+                group_before = group_before or figures
+                group_after = figures
     elapsed = time.perf_counter() - started
     cpu_after = thread_cpu(worker_pid)
-    group_after = group_figures(services)
     done.set()
     thread.join(60)
     output = client.files.content(batch.output_file_id).text.splitlines() \
@@ -176,8 +193,8 @@ def run_busy(client: Any, args: argparse.Namespace, services: Services,
                                           for name, cpu in cpu_after.items()
                                           if cpu - cpu_before.get(name, 0.0) >= 0.01},
             "interactive_tokens": len(samples) * args.interactive_tokens,
-            # from the worker's heartbeats (every second or so): roughly the batch's steps
-            "tokens_per_step": tokens_per_step(group_before, group_after),
+            # the served engine's steps between two heartbeats while the lines ran
+            **step_figures(group_before, group_after),
             # batch-only steps stopped between layers to start an interactive job
             "interrupted_steps": (group_after.get("num_interrupted_steps", 0)
                                   - group_before.get("num_interrupted_steps", 0)),
@@ -284,7 +301,9 @@ def round_row(index: int, r: dict[str, Any]) -> str:
             f"{phases['busy']['first_token_ms_p50']:.0f} ms | "
             f"{busy['tokens_per_s']:.0f} / {offline['tokens_per_s']:.0f}: "
             f"**{100 * r['throughput_ratio']:.0f}%** | {busy['completed']} / {busy['failed']}"
-            f" | {busy['first_line_seconds']:.2f} / {busy['validate_seconds']:.1f} s | {cpu} |")
+            f" | {busy['first_line_seconds']:.2f} / {busy['validate_seconds']:.1f} s | {cpu} | "
+            f"{busy['tokens_per_step']:.1f} / {offline['tokens_per_step']:.1f}; "
+            f"{busy['ms_per_step']:.2f} / {offline['ms_per_step']:.2f} ms |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -316,8 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     print("| round | interactive TTFT p50 (p99), idle / beside the batch | busy / idle | "
           "queued to claimed, claimed to first token (p50; idle / busy) | batch tok/s / "
           "offline engine | lines completed / failed | first line claimed / all validated "
-          "| batcher: share of wall time, CPU per output token / offline engine's |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| batcher: share of wall time, CPU per output token / offline engine's "
+          "| steps while the lines ran: tokens per step, time per step / offline engine's |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for i, r in enumerate(rounds):
         print(round_row(i, r))
     print(f"\n**Medians over {len(rounds)} round(s): interactive TTFT p50 "

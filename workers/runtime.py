@@ -283,6 +283,9 @@ class GroupRuntime:
             "generation_tokens_total": engine.get("generation_tokens_total", 0),
             "num_steps": engine.get("num_steps", load.num_steps),
             "num_interrupted_steps": engine.get("num_interrupted_steps", 0),
+            # unix time the engine figures above were read (the batcher reads them every
+            # half second; the heartbeat goes out every few seconds)
+            "engine_stats_at": load.updated_at,
         }
 
     def stop(self) -> None:
