@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -103,6 +104,30 @@ def test_restart_voids_the_output_so_far(redis_client, service_settings, job_id)
                        (job_id, JobEvent(EventType.TOKEN, text="second", index=1))])
     events = EventSubscriber(redis_client, service_settings).read_events(job_id)
     assert current_output(events) == {0: "again", 1: "second"}
+
+
+def test_a_token_event_written_out_is_the_json_the_encoder_writes():
+    # the hot path of to_fields writes a plain token event by hand; it must be byte for
+    # byte the generic encoding (the SSE `data:` line and what replays decode)
+    texts = ["", " word", "quote\" back\\slash", "tab\tnew\nline\r\x00\x1f\x7f", "é中文🙂",
+             "\ud800 lone surrogate", "</script>", "\u2028\u2029"]
+    events = [JobEvent(EventType.TOKEN, index=index, text=text, token_ids=ids, ts=ts)
+              for text in texts for index in (0, 3) for ids in ([], [7], [0, 151643, 12])
+              for ts in (None, 1795697813.4658263, 1e-7, 1.0)]
+    events += [  # these go the long way: the result must still be the encoder's
+        JobEvent(EventType.TOKEN, text="x", token_ids=[1], ts=float("nan")),
+        JobEvent(EventType.TOKEN, text="x", token_ids=[True]),
+        JobEvent(EventType.TOKEN, text="x", token_ids=[1],
+                 logprobs=[{"token": "x", "logprob": -0.5}]),
+        JobEvent(EventType.TOKEN, text="x", token_ids=[1], attempt=2, ts=3.5),
+    ]
+    assert events[0]._plain_token_json() is not None
+    assert events[-1]._plain_token_json() is None
+    for event in events:
+        fields = event.to_fields()
+        assert fields == {"type": "token",
+                          "data": json.dumps(event._payload(), separators=(",", ":"))}
+        assert JobEvent.from_fields(fields).text == event.text
 
 
 def test_parse_stream_id_rejects_garbage():

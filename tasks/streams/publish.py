@@ -41,6 +41,8 @@ from tasks.settings import Settings
 # more Python time than the script costs Redis. The separators cannot occur in a record:
 # `data` is json.dumps output (control characters escaped), the rest are names we make.
 _RECORD_SEP, _UNIT_SEP = "\x1e", "\x1f"
+# jobs whose key names an EventPublisher keeps (a step names a few hundred at most)
+_MAX_CACHED_JOBS = 4096
 _PUBLISH_LUA = """
 local packed = ARGV[1]
 local fence_ttl = tonumber(ARGV[2])
@@ -123,6 +125,9 @@ class EventPublisher:
         self._redis = redis
         self._settings = settings
         self._script = redis.register_script(_PUBLISH_LUA)
+        # job id -> (events key, fence key, live channel): a step names the same jobs as
+        # the last one. A cache only: cleared when it grows past _MAX_CACHED_JOBS.
+        self._job_keys: dict[str, tuple[str, str, str]] = {}
 
     def publish(self, events: list[tuple[str, JobEvent]],
                 fences: list[EventFence] | None = None) -> list[str | None]:
@@ -145,20 +150,27 @@ class EventPublisher:
     def _encode(self, events: list[tuple[str, JobEvent]],
                 fences: list[EventFence] | None = None) -> tuple[list[str], str]:
         settings = self._settings
+        job_keys = self._job_keys
+        if len(job_keys) > _MAX_CACHED_JOBS:
+            job_keys.clear()
         keys: list[str] = []
         fence_keys: list[str] = []
         records: list[str] = []
         for i, (job_id, event) in enumerate(events):
+            named = job_keys.get(job_id)
+            if named is None:
+                named = job_keys[job_id] = (events_key(settings, job_id),
+                                            fence_key(settings, job_id),
+                                            live_channel(settings, job_id))
             fields = event.to_fields()
             ttl = settings.stream_ttl_seconds if event.type.is_terminal else 0
             attempt, seq = (fences[i].attempt, fences[i].seq) if fences is not None else (0, 0)
             if event.type is EventType.RESTART and event.attempt:
                 attempt = event.attempt  # announces the attempt that follows
-            keys.append(events_key(settings, job_id))
-            fence_keys.append(fence_key(settings, job_id))
+            keys.append(named[0])
+            fence_keys.append(named[1])
             records.append(_UNIT_SEP.join(
-                (live_channel(settings, job_id), fields["type"], fields["data"], str(ttl),
-                 str(attempt), str(seq))
+                (named[2], fields["type"], fields["data"], str(ttl), str(attempt), str(seq))
             ))
         return keys + fence_keys, _RECORD_SEP.join(records)
 
