@@ -1,0 +1,125 @@
+"""How much the engine's steps slow down when the machine's other cores are busy.
+
+    python benchmarks/bench_neighbours.py [--preset small] [--rounds 5] [--num-requests 320]
+
+The service benchmarks (bench_batch.py, bench_pipeline.py) compare the served engine with
+the offline engine in the same run. The offline engine runs with the other cores idle;
+the served one shares the machine with the web, Postgres, Redis and the database
+process, which run on the other cores. This measures what that neighbourhood alone costs
+an engine step, with no llmq code on the other cores: the offline engine (same config as
+the worker, one torch thread) runs a batch of decode-heavy requests (64 sequences a
+step) alone and beside a synthetic load in another process:
+
+* `python`: a Python loop building and dropping dicts of strings (allocations and
+  pointer chasing, like a web or database process);
+* `python, half the time`: the same, 2 ms on and 2 ms off;
+* `memory`: numpy summing a 256 MB array (memory bandwidth).
+
+Each load is started, given time to settle, and killed after its round; the kinds
+alternate within every round, so drift in the machine's speed hits them alike. The
+figure is the engine thread's CPU time per step (not wall time: a load that takes the
+engine's core away is not what is measured), its median over the rounds and its ratio to
+the median with nothing beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench_pipeline import prompts  # noqa: E402
+
+LOADS = {
+    "nothing": None,
+    "python": "d = {}\nwhile True:\n    for i in range(200000):\n        d[i] = str(i)\n"
+              "    d.clear()\n",
+    "python, half the time": (
+        "import time\nd = {}\nwhile True:\n    t = time.perf_counter()\n"
+        "    while time.perf_counter() - t < 0.002:\n        for i in range(2000):\n"
+        "            d[i] = str(i)\n        d.clear()\n    time.sleep(0.002)\n"),
+    "memory": "import numpy as np\nx = np.ones(256_000_000, dtype=np.uint8)\n"
+              "while True:\n    x.sum()\n",
+}
+SETTLE_SECONDS = 0.7  # a load's start-up (imports, the array) before the engine runs
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="small", help="workers.engine.make_model preset")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--num-requests", type=int, default=320,
+                   help="requests a measurement runs (32 output tokens each)")
+    p.add_argument("--prompt-words", type=int, default=24)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from kernels.cpu import describe
+    from tasks.params import SamplingParams
+    from tasks.settings import Settings
+    from workers.engine.builder import build_engine
+    from workers.engine.config import EngineConfig
+    from workers.engine.make_model import make_model
+
+    torch.set_num_threads(1)
+    settings = Settings()
+    model_dir = make_model(Path(tempfile.mkdtemp(prefix="llmq-bench-neighbours-")) / "model",
+                           "qwen3", args.preset)
+    engine = build_engine(str(model_dir), kv_cache_bytes=settings.kv_cache_bytes,
+                          config=EngineConfig(
+                              block_size=settings.block_size,
+                              max_num_seqs=settings.max_num_seqs,
+                              max_num_batched_tokens=settings.max_num_batched_tokens))
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    texts = prompts(args.num_requests, args.prompt_words)
+
+    def cpu_ms_per_step(tag: str) -> float:
+        for i, text in enumerate(texts):
+            engine.add_request(f"{tag}-{i}", text, params)
+        steps_before, cpu_before = engine.stats().num_steps, time.thread_time()
+        while engine.has_unfinished_requests():
+            engine.step()
+        return 1000 * (time.thread_time() - cpu_before) / (engine.stats().num_steps
+                                                           - steps_before)
+
+    cpu_ms_per_step("warm-up")
+    figures: dict[str, list[float]] = {name: [] for name in LOADS}
+    for round_index in range(args.rounds):
+        for name, code in LOADS.items():
+            load = subprocess.Popen([sys.executable, "-c", code]) if code else None
+            try:
+                if load is not None:
+                    time.sleep(SETTLE_SECONDS)
+                figures[name].append(cpu_ms_per_step(f"{round_index}-{name}"))
+            finally:
+                if load is not None:
+                    load.kill()
+                    load.wait()
+        print(f"round {round_index + 1}: " + ", ".join(
+            f"{name} {values[-1]:.2f}" for name, values in figures.items()) + " ms",
+            flush=True)
+    alone = statistics.median(figures["nothing"])
+    print(f"\n{describe()}; {args.preset} qwen3, {args.num_requests} requests x 32 tokens "
+          f"a measurement, {args.rounds} rounds\n")
+    print("| beside the engine | engine CPU per step, median (rounds) | / alone |")
+    print("| --- | --- | --- |")
+    for name, values in figures.items():
+        median = statistics.median(values)
+        print(f"| {name} | {median:.2f} ms ({', '.join(f'{v:.2f}' for v in values)}) | "
+              f"{median / alone:.3f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
