@@ -277,7 +277,7 @@ def test_background_steps_stopped_between_layers_change_no_tokens(tiny_qwen3_dir
         asks.append(1)
         return len(asks) % 3 != 0  # stops before layer 0, or before layer 1 after layer 0
 
-    # the tiny model has 2 layers: allow both (the default is the first half)
+    # the tiny model has 2 layers: both (the default, said here as the test's premise)
     assert engine.set_step_yield(should_yield, before_layers=2)
     tokens = _run_with_priorities(engine, requests)
     # a second wave of the same prompts reads the prefix cache the first one filled
@@ -294,6 +294,29 @@ def test_background_steps_stopped_between_layers_change_no_tokens(tiny_qwen3_dir
         ref, _, _ = run_all(alone, {0: [(request_id, prompt, params)]})
         assert tokens[request_id] == ref[request_id][0], request_id
         assert tokens_again[f"again{i}"] == ref[request_id][0], request_id
+
+
+def test_a_background_step_may_stop_before_its_last_layer_by_default(
+        tiny_qwen3_dir: Path) -> None:
+    """The default lets a step stop before any layer: a foreground job that arrives late
+    in a step waits for one layer, not for the rest of the step."""
+    engine = make_engine(tiny_qwen3_dir, background_priority=100)
+    asks_this_step = [0]
+
+    def should_yield() -> bool:
+        asks_this_step[0] += 1
+        return asks_this_step[0] == 2  # before layer 1, the last of the tiny model's 2
+
+    assert engine.set_step_yield(should_yield)
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    engine.add_request("bg", [5, 6, 7, 8, 9], params, 100)
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        asks_this_step[0] = 0
+        tokens += [t for delta in engine.step() for t in delta.new_token_ids]
+    assert engine.num_interrupted_steps >= 4  # every other step: never twice in a row
+    ref, _, _ = run_all(make_engine(tiny_qwen3_dir), {0: [("bg", [5, 6, 7, 8, 9], params)]})
+    assert tokens == ref["bg"][0]
 
 
 def test_steps_with_foreground_work_never_stop(tiny_qwen3_dir: Path) -> None:

@@ -108,7 +108,7 @@ class Engine:
         # `set_step_yield`: a background-only step may stop between layers
         self.num_interrupted_steps = 0
         self._step_yield: Callable[[], bool] | None = None
-        self._yield_before = 0  # layers a step may stop before (the first half)
+        self._yield_before = 0  # a step may stop before layers 0 .. this - 1
         self._yield_armed = False  # this step may stop
         self._stopped_last_step = False
 
@@ -116,14 +116,17 @@ class Engine:
                        before_layers: int | None = None) -> bool:
         """Let a step that runs background sequences only (`EngineConfig`'s
         background_priority band) stop before one of its first `before_layers` layers
-        (default: the first half) when `should_yield()` says so (the service: a
-        foreground job is waiting to be added). Its chunks then run again in the next
-        step, which the caller builds with the new request in it, so a foreground request
-        waits for a layer rather than for a whole batch step. Past half the layers,
-        finishing the step costs less than what stopping would throw away. The step after
-        a stopped one never stops, so steps always progress. Returns False when the
-        runner cannot stop a step (tensor parallelism, a runner without a layer loop);
-        then nothing changes."""
+        (default: any layer) when `should_yield()` says so (the service: a foreground
+        job is waiting to be added). Its chunks then run again in the next step, which
+        the caller builds with the new request in it, so a foreground request waits for
+        a layer rather than for a whole batch step.
+
+        What a stop throws away is at most one step of background work, and only a
+        background-only step stops: one runs only while no foreground sequence does, so
+        stops come at most once per foreground arrival into an idle foreground band,
+        however busy that band gets. The step after a stopped one never stops, so steps
+        always progress. Returns False when the runner cannot stop a step (tensor
+        parallelism, a runner without a layer loop); then nothing changes."""
         setter = getattr(self.runner, "set_yield_check", None)
         if should_yield is None:
             self._step_yield = None
@@ -134,8 +137,7 @@ class Engine:
         if num_layers <= 0:
             return False
         self._step_yield = should_yield
-        self._yield_before = before_layers if before_layers is not None \
-            else max(1, num_layers // 2)
+        self._yield_before = before_layers if before_layers is not None else num_layers
         return True
 
     def _should_stop(self, layer_index: int) -> bool:
