@@ -75,7 +75,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def run_offline(engine: Any, args: argparse.Namespace, round_index: int) -> dict[str, Any]:
+def run_offline(engine: Any, args: argparse.Namespace, round_index: int | str) -> dict[str, Any]:
     from tasks.params import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0)
@@ -86,11 +86,11 @@ def run_offline(engine: Any, args: argparse.Namespace, round_index: int) -> dict
     num_tokens = 0
     while engine.has_unfinished_requests():
         num_tokens += sum(len(d.new_token_ids) for d in engine.step())
-    elapsed = time.perf_counter() - started
+    elapsed, cpu = time.perf_counter() - started, time.thread_time() - cpu_started
+    steps = max(1, engine.stats().num_steps - steps_before)
     return {"tokens": num_tokens, "seconds": elapsed, "tokens_per_s": num_tokens / elapsed,
-            "cpu_seconds": time.thread_time() - cpu_started,
-            "tokens_per_step": num_tokens / max(1, engine.stats().num_steps - steps_before),
-            "ms_per_step": 1000 * elapsed / max(1, engine.stats().num_steps - steps_before)}
+            "cpu_seconds": cpu, "tokens_per_step": num_tokens / steps,
+            "ms_per_step": 1000 * elapsed / steps, "cpu_ms_per_step": 1000 * cpu / steps}
 
 
 def group_figures(services: Services) -> dict[str, Any]:

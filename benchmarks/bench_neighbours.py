@@ -1,6 +1,6 @@
 """How much the engine's steps slow down when the machine's other cores are busy.
 
-    python benchmarks/bench_neighbours.py [--preset small] [--rounds 5] [--num-requests 320]
+    python benchmarks/bench_neighbours.py [--preset small] [--rounds 5] [--num-lines 320]
 
 The service benchmarks (bench_batch.py, bench_pipeline.py) compare the served engine with
 the offline engine in the same run. The offline engine runs with the other cores idle;
@@ -35,7 +35,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench_pipeline import prompts  # noqa: E402
+from bench_batch import run_offline  # noqa: E402
+from bench_pipeline import load_offline_engine  # noqa: E402
+
+from tasks.settings import Settings  # noqa: E402
 
 LOADS = {
     "nothing": None,
@@ -55,45 +58,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="small", help="workers.engine.make_model preset")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--num-requests", type=int, default=320,
-                   help="requests a measurement runs (32 output tokens each)")
+    p.add_argument("--num-lines", type=int, default=320, help="requests a measurement runs")
+    p.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
     p.add_argument("--prompt-words", type=int, default=24)
+    p.add_argument("--threads", type=int, default=1, help="torch threads of the engine")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    import torch
-
     from kernels.cpu import describe
-    from tasks.params import SamplingParams
-    from tasks.settings import Settings
-    from workers.engine.builder import build_engine
-    from workers.engine.config import EngineConfig
     from workers.engine.make_model import make_model
 
-    torch.set_num_threads(1)
-    settings = Settings()
     model_dir = make_model(Path(tempfile.mkdtemp(prefix="llmq-bench-neighbours-")) / "model",
                            "qwen3", args.preset)
-    engine = build_engine(str(model_dir), kv_cache_bytes=settings.kv_cache_bytes,
-                          config=EngineConfig(
-                              block_size=settings.block_size,
-                              max_num_seqs=settings.max_num_seqs,
-                              max_num_batched_tokens=settings.max_num_batched_tokens))
-    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-    texts = prompts(args.num_requests, args.prompt_words)
-
-    def cpu_ms_per_step(tag: str) -> float:
-        for i, text in enumerate(texts):
-            engine.add_request(f"{tag}-{i}", text, params)
-        steps_before, cpu_before = engine.stats().num_steps, time.thread_time()
-        while engine.has_unfinished_requests():
-            engine.step()
-        return 1000 * (time.thread_time() - cpu_before) / (engine.stats().num_steps
-                                                           - steps_before)
-
-    cpu_ms_per_step("warm-up")
+    engine = load_offline_engine(str(model_dir), args, Settings())
+    run_offline(engine, args, "warm-up")
     figures: dict[str, list[float]] = {name: [] for name in LOADS}
     for round_index in range(args.rounds):
         for name, code in LOADS.items():
@@ -101,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 if load is not None:
                     time.sleep(SETTLE_SECONDS)
-                figures[name].append(cpu_ms_per_step(f"{round_index}-{name}"))
+                figures[name].append(
+                    run_offline(engine, args, f"{round_index}-{name}")["cpu_ms_per_step"])
             finally:
                 if load is not None:
                     load.kill()
@@ -110,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{name} {values[-1]:.2f}" for name, values in figures.items()) + " ms",
             flush=True)
     alone = statistics.median(figures["nothing"])
-    print(f"\n{describe()}; {args.preset} qwen3, {args.num_requests} requests x 32 tokens "
-          f"a measurement, {args.rounds} rounds\n")
+    print(f"\n{describe()}; {args.preset} qwen3, {args.num_lines} requests x "
+          f"{args.max_tokens} tokens a measurement, {args.rounds} rounds\n")
     print("| beside the engine | engine CPU per step, median (rounds) | / alone |")
     print("| --- | --- | --- |")
     for name, values in figures.items():
