@@ -290,6 +290,47 @@ def test_decode_attention_and_the_kv_store_equal_the_references(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_of_every_head_size_equals_the_avx2_build_bit_for_bit(
+        monkeypatch, dtype):
+    """Decodes over 1 to 40 keys (16 at a time in the AVX-512 build's scores, with
+    tails), 1 to 3 query heads a KV head, head sizes of one to eight 16-lane vectors and
+    one of none (48: the plain loops): the same bits as the x86-64-v3 build's AVX2 form,
+    and the reference's (bf16: equal; fp32: within rounding)."""
+    import platform
+    import random
+
+    from kernels import attention
+    from kernels.attention import build_attention_metadata
+
+    if platform.machine() != "x86_64":
+        pytest.skip("the baseline build is for x86_64")
+    builds = [native.build("native"), native.build("x86-64-v3")]
+    assert all(builds)
+    for head_dim, group in ((16, 3), (32, 1), (64, 3), (128, 2), (48, 2)):
+        gen = torch.Generator().manual_seed(head_dim + group)
+        block_size, kv_heads = 4, 2
+        cache = torch.randn(64, 2, 1, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+        free = list(range(64))
+        random.Random(head_dim).shuffle(free)
+        spans = [(n - 1, 1, [free.pop() for _ in range(-(-n // block_size))])
+                 for n in (1, 15, 16, 17, 40)]
+        q = torch.randn(len(spans), kv_heads * group, head_dim, generator=gen).to(dtype)
+        kv = torch.zeros(len(spans), kv_heads, head_dim, dtype=dtype)
+        meta = build_attention_metadata(cache, spans)
+        k_cache, v_cache = cache[:, 0, 0], cache[:, 1, 0]
+        outs = []
+        for build in builds:
+            monkeypatch.setattr(native, "_library", lambda build=build: build)
+            outs.append(native.paged_attention(q, kv, kv, k_cache, v_cache, meta))
+        want = attention.paged_attention(q, kv, kv, k_cache, v_cache, meta)
+        assert torch.equal(outs[0], outs[1]), (head_dim, group)
+        if dtype == torch.bfloat16:
+            assert torch.equal(outs[0], want), (head_dim, group)
+        else:
+            assert torch.allclose(outs[0], want, rtol=1e-5, atol=1e-6), (head_dim, group)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_short_prompt_chunks_attended_as_decode_rows_equal_the_chunk_path(dtype):
     """`chunks_as_decodes`: short chunks (a fresh prompt, a chunk after a cached prefix)
     join the decodes one query per row; a longer one stays a chunk. Native and reference

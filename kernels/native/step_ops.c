@@ -182,6 +182,125 @@ SOFTMAX(bf16, round16_bf16)
 VALUES(f32, float)
 VALUES(bf16, uint16_t)
 #define WEIGHTED_VALUES(S, ...) weighted_values_##S(__VA_ARGS__)
+
+/* ask for the cache lines of one head's key or value row */
+#define PREFETCH_ROW(row, bytes, hint)                                                    \
+    for (int c = 0; c < (bytes); c += 64) _mm_prefetch((const char *)(row) + c, hint)
+
+/* The totals of sixteen keys' dot products at once: a[j] holds key j's 16 lane sums; the
+ * result holds the 16 totals in key order, each summed in the pairing of
+ * _mm512_reduce_add_ps (lane i + lane i+8, then +4, +2, +1), so each is `head_dot`'s
+ * total bit for bit, for 15 shuffle pairs instead of sixteen reductions */
+static inline __m512 reduce_add16x16(const __m512 *a) {
+    __m512 r[8], s[4], u[2];
+    for (int m = 0; m < 8; ++m)
+        r[m] = _mm512_add_ps(
+            _mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+            _mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    /* r[m]: lanes 0-7 key 2m's half sums, 8-15 key 2m+1's */
+    for (int m = 0; m < 4; ++m)
+        s[m] = _mm512_add_ps(
+            _mm512_shuffle_f32x4(r[2 * m], r[2 * m + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+            _mm512_shuffle_f32x4(r[2 * m], r[2 * m + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    /* s[m]: 128-bit lane l holds key 4m + l's four sums */
+    for (int m = 0; m < 2; ++m)
+        u[m] = _mm512_add_ps(
+            _mm512_shuffle_ps(s[2 * m], s[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+            _mm512_shuffle_ps(s[2 * m], s[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    /* u[m]: lane l holds key 8m + l's two sums, then key 8m + 4 + l's */
+    __m512 w = _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    /* w: element 4l + e is key l + 4e's total */
+    const __m512i order =
+        _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(order, w);
+}
+
+/* One sequence's query heads sharing a KV head (G of them, scaled, as `qs` [G, D]) over
+ * its L keys and values (`rows`: where each lies), D = 16 NV features: the scores of 16
+ * keys at a time, then the weighted values with every head's sums in registers, each
+ * value read once for all G heads. The same sums in the same order as `head_dot`,
+ * `softmax_*` and `weighted_values_*`: the results are theirs bit for bit. Each row is
+ * asked for ahead of its use (the heads' rows lie 1 KB or more apart, in blocks anywhere
+ * in the cache: the hardware's prefetchers miss them). */
+#define ATTEND_NV(S, T, NV)                                                               \
+    static void attend_##S##_##NV(const float *qs, int64_t G, int64_t L,                  \
+                                  const T *k_cache, const T *v_cache,                     \
+                                  const int64_t *rows, float *p, float *acc) {            \
+        const int row_bytes = 16 * NV * (int)sizeof(T);                                   \
+        for (int64_t g = 0; g < G; ++g) {                                                 \
+            __m512 q[NV];                                                                 \
+            for (int v = 0; v < NV; ++v) q[v] = _mm512_loadu_ps(qs + (g * NV + v) * 16);  \
+            for (int64_t t0 = 0; t0 < L; t0 += 16) {                                      \
+                int64_t n = L - t0 < 16 ? L - t0 : 16;                                    \
+                __m512 a[16];                                                             \
+                /* the first head's pass asks for the next 16 keys, and into L2 for       \
+                   these 16 keys' values */                                               \
+                if (g == 0) {                                                             \
+                    for (int64_t j = t0 + 16; j < t0 + 32 && j < L; ++j)                  \
+                        PREFETCH_ROW(k_cache + rows[j], row_bytes, _MM_HINT_T0);          \
+                    for (int64_t j = t0; j < t0 + 16 && j < L; ++j)                       \
+                        PREFETCH_ROW(v_cache + rows[j], row_bytes, _MM_HINT_T1);          \
+                }                                                                         \
+                _Pragma("GCC unroll 16")                                                  \
+                for (int j = 0; j < 16; ++j) {                                            \
+                    a[j] = _mm512_setzero_ps();                                           \
+                    if (j < n) {                                                          \
+                        const T *key = k_cache + rows[t0 + j];                            \
+                        _Pragma("GCC unroll 8")                                           \
+                        for (int v = 0; v < NV; ++v)                                      \
+                            a[j] = _mm512_fmadd_ps(q[v], load16_##S(key + 16 * v), a[j]); \
+                    }                                                                     \
+                }                                                                         \
+                _mm512_mask_storeu_ps(p + g * L + t0, tail_mask(n),                       \
+                                      round16_##S(reduce_add16x16(a)));                   \
+            }                                                                             \
+            softmax_##S(p + g * L, L);                                                    \
+        }                                                                                 \
+        for (int64_t g0 = 0; g0 < G; g0 += 16 / NV) {                                     \
+            int64_t heads = G - g0 < 16 / NV ? G - g0 : 16 / NV;                          \
+            __m512 a[16];                                                                 \
+            for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();                      \
+            for (int64_t t = 0; t < L; ++t) {                                             \
+                const T *value = v_cache + rows[t];                                       \
+                __m512 x[NV];                                                             \
+                if (t + 16 < L)                                                           \
+                    PREFETCH_ROW(v_cache + rows[t + 16], row_bytes, _MM_HINT_T0);         \
+                _Pragma("GCC unroll 8")                                                   \
+                for (int v = 0; v < NV; ++v) x[v] = load16_##S(value + 16 * v);           \
+                _Pragma("GCC unroll 16")                                                  \
+                for (int h = 0; h < 16 / NV; ++h)                                         \
+                    if (h < heads) {                                                      \
+                        __m512 pt = _mm512_set1_ps(p[(g0 + h) * L + t]);                  \
+                        _Pragma("GCC unroll 8")                                           \
+                        for (int v = 0; v < NV; ++v)                                      \
+                            a[h * NV + v] = _mm512_fmadd_ps(pt, x[v], a[h * NV + v]);     \
+                    }                                                                     \
+            }                                                                             \
+            for (int h = 0; h < heads; ++h)                                               \
+                for (int v = 0; v < NV; ++v)                                              \
+                    _mm512_storeu_ps(acc + ((g0 + h) * NV + v) * 16, a[h * NV + v]);      \
+        }                                                                                 \
+    }
+#define ATTEND_ALL(S, T)                                                                  \
+    ATTEND_NV(S, T, 1)                                                                    \
+    ATTEND_NV(S, T, 2)                                                                    \
+    ATTEND_NV(S, T, 4)                                                                    \
+    ATTEND_NV(S, T, 8)                                                                    \
+    static inline int attend_##S(const float *qs, int64_t G, int64_t D, int64_t L,        \
+                                 const T *k_cache, const T *v_cache, const int64_t *rows, \
+                                 float *p, float *acc) {                                  \
+        switch (D) {                                                                      \
+        case 16: attend_##S##_1(qs, G, L, k_cache, v_cache, rows, p, acc); return 1;      \
+        case 32: attend_##S##_2(qs, G, L, k_cache, v_cache, rows, p, acc); return 1;      \
+        case 64: attend_##S##_4(qs, G, L, k_cache, v_cache, rows, p, acc); return 1;      \
+        case 128: attend_##S##_8(qs, G, L, k_cache, v_cache, rows, p, acc); return 1;     \
+        default: return 0;                                                                \
+        }                                                                                 \
+    }
+ATTEND_ALL(f32, float)
+ATTEND_ALL(bf16, uint16_t)
+#define ATTEND(S, ...) attend_##S(__VA_ARGS__)
 #elif defined(__AVX2__) && defined(__FMA__)
 /* a query head . a key (D % 8 == 0): a0 sums features 16j..16j+7 and a1 16j+8..16j+15,
  * the 16 lanes of the AVX-512 form (where D % 16 == 0 the same sums in the same order,
@@ -304,6 +423,10 @@ VALUES(bf16, uint16_t)
     }
 SOFTMAX(f32, ROUND_F32)
 SOFTMAX(bf16, ROUND_BF16)
+#endif
+
+#ifndef ATTEND
+#define ATTEND(S, ...) 0
 #endif
 
 /* vector bodies of the norm, the residual add and rotary: 16 at a time, the same
@@ -502,21 +625,24 @@ SOFTMAX(bf16, ROUND_BF16)
                     for (int64_t t = 0, b = 0; t < L; ++b)                                \
                         for (int64_t o = 0; o < block_size && t < L; ++o, ++t)            \
                             rows[t] = table[b] * cb + o * ct + hk * ch;                   \
-                    for (int64_t t = 0; t < L; ++t) {                                     \
-                        const T *key = k_cache + rows[t];                                 \
-                        for (int64_t g = 0; g < G; ++g)                                   \
-                            p[g * L + t] = ROUND(HEAD_DOT(S, qs + g * D, key, D));        \
-                    }                                                                     \
-                    for (int64_t g = 0; g < G; ++g) softmax_##S(p + g * L, L);            \
-                    if (!WEIGHTED_VALUES(S, p, L, G, D, v_cache, rows, acc)) {            \
-                        memset(acc, 0, sizeof(float) * G * D);                            \
+                    /* the vector path where the head size has one; else the loops */     \
+                    if (!ATTEND(S, qs, G, D, L, k_cache, v_cache, rows, p, acc)) {        \
                         for (int64_t t = 0; t < L; ++t) {                                 \
-                            const T *value = v_cache + rows[t];                           \
-                            for (int64_t g = 0; g < G; ++g) {                             \
-                                float pt = p[g * L + t];                                  \
-                                float *a = acc + g * D;                                   \
-                                for (int64_t d = 0; d < D; ++d)                           \
-                                    a[d] += pt * LOAD(value, d);                          \
+                            const T *key = k_cache + rows[t];                             \
+                            for (int64_t g = 0; g < G; ++g)                               \
+                                p[g * L + t] = ROUND(HEAD_DOT(S, qs + g * D, key, D));    \
+                        }                                                                 \
+                        for (int64_t g = 0; g < G; ++g) softmax_##S(p + g * L, L);        \
+                        if (!WEIGHTED_VALUES(S, p, L, G, D, v_cache, rows, acc)) {        \
+                            memset(acc, 0, sizeof(float) * G * D);                        \
+                            for (int64_t t = 0; t < L; ++t) {                             \
+                                const T *value = v_cache + rows[t];                       \
+                                for (int64_t g = 0; g < G; ++g) {                         \
+                                    float pt = p[g * L + t];                              \
+                                    float *a = acc + g * D;                               \
+                                    for (int64_t d = 0; d < D; ++d)                       \
+                                        a[d] += pt * LOAD(value, d);                      \
+                                }                                                         \
                             }                                                             \
                         }                                                                 \
                     }                                                                     \
