@@ -69,6 +69,10 @@ static inline void store16_bf16(uint16_t *p, __m512 v) {
 #include "avx2.h"
 #endif
 
+/* ask for the cache lines of one head's key or value row */
+#define PREFETCH_ROW(row, bytes, hint)                                                    \
+    for (int c = 0; c < (bytes); c += 64) _mm_prefetch((const char *)(row) + c, hint)
+
 #define LOAD_F32(p, i) ((p)[i])
 #define STORE_F32(p, i, v) ((p)[i] = (v))
 #define ROUND_F32(v) (v)
@@ -182,10 +186,6 @@ SOFTMAX(bf16, round16_bf16)
 VALUES(f32, float)
 VALUES(bf16, uint16_t)
 #define WEIGHTED_VALUES(S, ...) weighted_values_##S(__VA_ARGS__)
-
-/* ask for the cache lines of one head's key or value row */
-#define PREFETCH_ROW(row, bytes, hint)                                                    \
-    for (int c = 0; c < (bytes); c += 64) _mm_prefetch((const char *)(row) + c, hint)
 
 /* The totals of sixteen keys' dot products at once: a[j] holds key j's 16 lane sums; the
  * result holds the 16 totals in key order, each summed in the pairing of
@@ -376,6 +376,7 @@ SOFTMAX(bf16, round8_bf16)
                                           int64_t D, const T *v_cache,                    \
                                           const int64_t *rows, float *acc) {              \
         if (D % 8) return 0;                                                              \
+        const int row_bytes = (int)(D * sizeof(T));                                       \
         for (int64_t g = 0; g < G; ++g) {                                                 \
             const float *pg = p + g * L;                                                  \
             float *ag = acc + g * D;                                                      \
@@ -384,6 +385,8 @@ SOFTMAX(bf16, round8_bf16)
                 __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;               \
                 for (int64_t t = 0; t < L; ++t) {                                         \
                     const T *value = v_cache + rows[t] + d;                               \
+                    if (g == 0 && d == 0 && t + 16 < L)                                   \
+                        PREFETCH_ROW(v_cache + rows[t + 16], row_bytes, _MM_HINT_T0);     \
                     __m256 pt = _mm256_set1_ps(pg[t]);                                    \
                     a0 = _mm256_fmadd_ps(pt, load8_##S(value), a0);                       \
                     a1 = _mm256_fmadd_ps(pt, load8_##S(value + 8), a1);                   \
@@ -408,6 +411,76 @@ SOFTMAX(bf16, round8_bf16)
 VALUES(f32, float)
 VALUES(bf16, uint16_t)
 #define WEIGHTED_VALUES(S, ...) weighted_values_##S(__VA_ARGS__)
+
+/* The totals of eight keys' dot products at once: v[j] holds key j's 8 lane sums (a1 +
+ * a0 of `head_dot`); the result holds the 8 totals in key order, each summed in the
+ * pairing of `reduce_add8` (lane i + lane i+4, then +2, +1): `head_dot`'s totals bit for
+ * bit */
+static inline __m256 reduce_add8x8(const __m256 *v) {
+    __m256 r[4], s[2];
+    for (int m = 0; m < 4; ++m)
+        r[m] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * m], v[2 * m + 1], 0x20),
+                             _mm256_permute2f128_ps(v[2 * m], v[2 * m + 1], 0x31));
+    /* r[m]: lanes 0-3 key 2m's four sums, 4-7 key 2m+1's */
+    for (int m = 0; m < 2; ++m)
+        s[m] = _mm256_add_ps(
+            _mm256_shuffle_ps(r[2 * m], r[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+            _mm256_shuffle_ps(r[2 * m], r[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    /* s[m]: lanes 0-1 key 4m's two sums, 2-3 key 4m+2's; 4-5 key 4m+1's, 6-7 4m+3's */
+    __m256 w = _mm256_add_ps(_mm256_shuffle_ps(s[0], s[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm256_shuffle_ps(s[0], s[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    /* w: keys 0, 2, 4, 6, 1, 3, 5, 7 */
+    return _mm256_permutevar8x32_ps(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* One sequence's query heads sharing a KV head (as the AVX-512 form, D % 16 == 0): the
+ * scores of 8 keys at a time with one reduction, each key row asked for ahead of its use,
+ * then `weighted_values_*`. The same results as `head_dot`, bit for bit. */
+#define ATTEND_AVX2(S, T)                                                                 \
+    static inline int attend_##S(const float *qs, int64_t G, int64_t D, int64_t L,        \
+                                 const T *k_cache, const T *v_cache, const int64_t *rows, \
+                                 float *p, float *acc) {                                  \
+        if (D % 16) return 0;                                                             \
+        const int row_bytes = (int)(D * sizeof(T));                                       \
+        for (int64_t g = 0; g < G; ++g) {                                                 \
+            const float *q = qs + g * D;                                                  \
+            for (int64_t t0 = 0; t0 < L; t0 += 8) {                                       \
+                int64_t n = L - t0 < 8 ? L - t0 : 8;                                      \
+                __m256 v[8];                                                              \
+                if (g == 0) {                                                             \
+                    for (int64_t j = t0 + 8; j < t0 + 16 && j < L; ++j)                   \
+                        PREFETCH_ROW(k_cache + rows[j], row_bytes, _MM_HINT_T0);          \
+                    for (int64_t j = t0; j < t0 + 8 && j < L; ++j)                        \
+                        PREFETCH_ROW(v_cache + rows[j], row_bytes, _MM_HINT_T1);          \
+                }                                                                         \
+                _Pragma("GCC unroll 8")                                                   \
+                for (int j = 0; j < 8; ++j) {                                             \
+                    v[j] = _mm256_setzero_ps();                                           \
+                    if (j < n) {                                                          \
+                        const T *key = k_cache + rows[t0 + j];                            \
+                        __m256 a0 = _mm256_setzero_ps(), a1 = a0;                         \
+                        for (int64_t d = 0; d < D; d += 16) {                             \
+                            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d),                  \
+                                                 load8_##S(key + d), a0);                 \
+                            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8),              \
+                                                 load8_##S(key + d + 8), a1);             \
+                        }                                                                 \
+                        v[j] = _mm256_add_ps(a1, a0);                                     \
+                    }                                                                     \
+                }                                                                         \
+                __m256 w = round8_##S(reduce_add8x8(v));                                  \
+                if (n == 8)                                                               \
+                    _mm256_storeu_ps(p + g * L + t0, w);                                  \
+                else                                                                      \
+                    _mm256_maskstore_ps(p + g * L + t0, tail_mask8(n), w);                \
+            }                                                                             \
+            softmax_##S(p + g * L, L);                                                    \
+        }                                                                                 \
+        return weighted_values_##S(p, L, G, D, v_cache, rows, acc);                       \
+    }
+ATTEND_AVX2(f32, float)
+ATTEND_AVX2(bf16, uint16_t)
+#define ATTEND(S, ...) attend_##S(__VA_ARGS__)
 #else
 #define WEIGHTED_VALUES(S, ...) 0
 #define HEAD_DOT(S, q, k, D) dot_##S(q, k, D)
