@@ -1,10 +1,12 @@
 """Micro-benchmark of decode attention formulations over the block-major KV cache.
 
 Shapes of the `100m` preset: 12 layers, 12 query heads over 4 KV heads, head_dim 64, block
-size 16, fp32. One call = one layer's decode attention (the model makes 12 per step), on a
-per-layer strided view `kv_cache[:, 0, layer]` like the model's. Contexts are drawn
-uniformly from 32-768 tokens; block tables are random so no sequence's blocks are
-adjacent. Each formulation is checked against the padded reference before it is timed.
+size 16, fp32. The native kernel (kernels/native/step_ops.c, the CPU's default) runs
+beside the torch formulations. One call = one layer's decode attention (the model makes
+12 per step), on a per-layer strided view `kv_cache[:, 0, layer]` like the model's.
+Contexts are drawn uniformly from 32-768 tokens; block tables are random so no sequence's
+blocks are adjacent. Each formulation is checked against the padded reference before it
+is timed.
 
     python benchmarks/bench_attention.py                      # batches 1, 16, 64
     python benchmarks/bench_attention.py --batches 64 --repeats 20 --threads 1
@@ -26,7 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 import torch.nn.functional as F
 
+from kernels import native
 from kernels.attention import build_attention_metadata, paged_attention
+from kernels.cpu import describe
 
 NUM_LAYERS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 12, 12, 4, 64, 16
 
@@ -104,6 +108,12 @@ def current(q, k_cache, v_cache, tables: list[list[int]], lens: list[int]) -> to
     return paged_attention(q, None, None, k_cache, v_cache, _META[0])
 
 
+def native_decode(q, k_cache, v_cache, tables: list[list[int]], lens: list[int]):
+    """`kernels.native.paged_attention`: one C call for every decode's heads, each reading
+    its keys and values straight from the cache blocks (the CPU's default)."""
+    return native.paged_attention(q, None, None, k_cache, v_cache, _META[0])
+
+
 _META: list = []  # the current batch's AttentionMetadata, for `current`
 
 CANDIDATES: dict[str, Callable[..., torch.Tensor]] = {
@@ -112,6 +122,7 @@ CANDIDATES: dict[str, Callable[..., torch.Tensor]] = {
     "flat gather+SDPA slices": flat_then_slices,
     "segment softmax": segment_softmax,
     "kernels.paged_attention": current,
+    "kernels.native (default)": native_decode,
 }
 
 
@@ -135,6 +146,10 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message="index_reduce")
+    print(describe(), flush=True)
+    if not native.available():
+        del CANDIDATES["kernels.native (default)"]
+        print("the native kernels do not build here: left out")
     rng = random.Random(0)
     for batch in (int(b) for b in args.batches.split(",")):
         lens = [rng.randint(args.min_context, args.max_context) for _ in range(batch)]
@@ -149,6 +164,7 @@ def main() -> None:
             spans = [(n - 1, 1, t) for n, t in zip(lens, tables)]
             _META[:] = [build_attention_metadata(kv_cache, spans)]
             ref = padded(q, k_cache, v_cache, tables, lens)
+            kv_bytes = 2 * sum(lens) * NUM_KV_HEADS * HEAD_DIM * kv_cache.element_size()
             print(f"batch {batch}: contexts {min(lens)}-{max(lens)} "
                   f"(mean {sum(lens) / batch:.0f}), {args.threads} threads, "
                   f"best of {args.repeats}")
@@ -157,7 +173,7 @@ def main() -> None:
                 err = (fn() - ref).abs().max().item()
                 ms = time_call(fn, args.repeats) * 1e3
                 print(f"  {name:26s} {ms:8.3f} ms/layer  {ms * NUM_LAYERS:8.2f} ms/step"
-                      f"  max |diff| {err:.1e}")
+                      f"  {kv_bytes / ms / 1e6:5.1f} GB/s of K and V  max |diff| {err:.1e}")
 
 
 if __name__ == "__main__":
