@@ -72,6 +72,15 @@ static inline void store16_bf16(uint16_t *p, __m512 v) {
 /* ask for the cache lines of one head's key or value row */
 #define PREFETCH_ROW(row, bytes, hint)                                                    \
     for (int c = 0; c < (bytes); c += 64) _mm_prefetch((const char *)(row) + c, hint)
+/* while keys t0 .. t0 + width - 1 are scored: ask for the next `width` keys, and into L2
+ * for these keys' values (the sums read them next) */
+#define PREFETCH_BLOCK(k_cache, v_cache, rows, t0, width, L, row_bytes)                   \
+    do {                                                                                  \
+        for (int64_t j_ = (t0) + (width); j_ < (t0) + 2 * (width) && j_ < (L); ++j_)      \
+            PREFETCH_ROW((k_cache) + (rows)[j_], row_bytes, _MM_HINT_T0);                 \
+        for (int64_t j_ = (t0); j_ < (t0) + (width) && j_ < (L); ++j_)                    \
+            PREFETCH_ROW((v_cache) + (rows)[j_], row_bytes, _MM_HINT_T1);                 \
+    } while (0)
 
 #define LOAD_F32(p, i) ((p)[i])
 #define STORE_F32(p, i, v) ((p)[i] = (v))
@@ -234,14 +243,8 @@ static inline __m512 reduce_add16x16(const __m512 *a) {
             for (int64_t t0 = 0; t0 < L; t0 += 16) {                                      \
                 int64_t n = L - t0 < 16 ? L - t0 : 16;                                    \
                 __m512 a[16];                                                             \
-                /* the first head's pass asks for the next 16 keys, and into L2 for       \
-                   these 16 keys' values */                                               \
-                if (g == 0) {                                                             \
-                    for (int64_t j = t0 + 16; j < t0 + 32 && j < L; ++j)                  \
-                        PREFETCH_ROW(k_cache + rows[j], row_bytes, _MM_HINT_T0);          \
-                    for (int64_t j = t0; j < t0 + 16 && j < L; ++j)                       \
-                        PREFETCH_ROW(v_cache + rows[j], row_bytes, _MM_HINT_T1);          \
-                }                                                                         \
+                if (g == 0) /* the first head's pass */                                   \
+                    PREFETCH_BLOCK(k_cache, v_cache, rows, t0, 16, L, row_bytes);         \
                 _Pragma("GCC unroll 16")                                                  \
                 for (int j = 0; j < 16; ++j) {                                            \
                     a[j] = _mm512_setzero_ps();                                           \
@@ -447,12 +450,8 @@ static inline __m256 reduce_add8x8(const __m256 *v) {
             for (int64_t t0 = 0; t0 < L; t0 += 8) {                                       \
                 int64_t n = L - t0 < 8 ? L - t0 : 8;                                      \
                 __m256 v[8];                                                              \
-                if (g == 0) {                                                             \
-                    for (int64_t j = t0 + 8; j < t0 + 16 && j < L; ++j)                   \
-                        PREFETCH_ROW(k_cache + rows[j], row_bytes, _MM_HINT_T0);          \
-                    for (int64_t j = t0; j < t0 + 8 && j < L; ++j)                        \
-                        PREFETCH_ROW(v_cache + rows[j], row_bytes, _MM_HINT_T1);          \
-                }                                                                         \
+                if (g == 0) /* the first head's pass */                                   \
+                    PREFETCH_BLOCK(k_cache, v_cache, rows, t0, 8, L, row_bytes);          \
                 _Pragma("GCC unroll 8")                                                   \
                 for (int j = 0; j < 8; ++j) {                                             \
                     v[j] = _mm256_setzero_ps();                                           \
