@@ -257,7 +257,7 @@ def submit_job(job_request: JobRequest, prompt_text: str | None, prompt_token_id
         prompt_tokens=len(prompt_token_ids), created_at=utcnow(),
     )
     try:
-        with svc.engine.begin() as conn:
+        with svc.autocommit.connect() as conn:  # one statement: the check and the insert
             if conn.execute(*_insert_if_room(svc, row)).first() is None:
                 limit = svc.settings.max_queued_jobs
                 raise APIError(429, "queue_full", f"model {job_request.model!r} has {limit} "

@@ -30,6 +30,9 @@ EXTENSION_KEY = "llmq"
 class Services:
     settings: Settings
     engine: sqlalchemy.Engine
+    # the same pool, each statement its own transaction: a one-statement write needs no
+    # BEGIN and COMMIT round trips (a job's submission)
+    autocommit: sqlalchemy.Engine
     session_factory: sessionmaker[Session]
     redis: Redis
     celery: Celery
@@ -46,6 +49,7 @@ class Services:
         return cls(
             settings=settings,
             engine=engine,
+            autocommit=engine.execution_options(isolation_level="AUTOCOMMIT"),
             session_factory=make_sessionmaker(engine),
             redis=redis,
             celery=create_celery(settings),
