@@ -8,6 +8,7 @@ runs at import time.
 from __future__ import annotations
 
 import logging
+import time
 from datetime import UTC, datetime
 from importlib import resources
 from pathlib import Path
@@ -21,6 +22,9 @@ logger = logging.getLogger(__name__)
 
 # seconds a SQLite writer waits for the lock before giving up (web + worker + beat share it)
 SQLITE_BUSY_TIMEOUT_MS = 10_000
+# a pooled connection idle this long is pinged before it is handed out; one used more
+# recently is handed out as it is (a busy process saves a round trip per checkout)
+PING_AFTER_IDLE_SECONDS = 1.0
 
 
 class DatabaseNotReady(RuntimeError):
@@ -43,7 +47,8 @@ def has_passed(when: datetime | None, now: datetime | None = None) -> bool:
 
 
 def create_db_engine(url: str, **kwargs: Any) -> sqlalchemy.Engine:
-    """An engine for `url` with connection checks on checkout.
+    """An engine for `url` with connection checks on checkout (Postgres: of connections
+    idle for `PING_AFTER_IDLE_SECONDS`, `_ping_idle_connections`).
 
     SQLite gets `check_same_thread=False` (threads share the engine),
     WAL journaling and a busy timeout so concurrent processes wait instead of failing.
@@ -77,9 +82,39 @@ def create_db_engine(url: str, **kwargs: Any) -> sqlalchemy.Engine:
     kwargs.setdefault("pool_recycle", 1800)
     connect_args = dict(kwargs.pop("connect_args", {}))
     connect_args.setdefault("connect_timeout", 5)
-    return sqlalchemy.create_engine(
-        url, pool_pre_ping=True, connect_args=connect_args, **kwargs
-    )
+    engine = sqlalchemy.create_engine(url, connect_args=connect_args, **kwargs)
+    _ping_idle_connections(engine)
+    return engine
+
+
+def _ping_idle_connections(engine: sqlalchemy.Engine) -> None:
+    """Ping a pooled connection on checkout when it has been idle for
+    `PING_AFTER_IDLE_SECONDS`; a dead one is replaced before anyone uses it.
+
+    NOTE: `pool_pre_ping` pings on every checkout: a round trip (and a wakeup of the
+    server's backend) before each claim and each submission, while a process under load
+    checks its connections out every few milliseconds. A server restart or a dropped
+    connection shows up on a connection idle past the threshold; one that breaks within
+    it fails its statement as a disconnect, which invalidates the whole pool (the caller
+    answers 503 or retries, as for a server that goes away mid-statement).
+    """
+    dialect = engine.dialect
+
+    @event.listens_for(engine, "checkin")
+    def _checked_in(_dbapi_connection: Any, record: Any) -> None:
+        record.info["idle_since"] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def _checked_out(dbapi_connection: Any, record: Any, _proxy: Any) -> None:
+        idle_since = record.info.get("idle_since")  # None: a new connection
+        if idle_since is None or time.monotonic() - idle_since < PING_AFTER_IDLE_SECONDS:
+            return
+        try:
+            dialect.do_ping(dbapi_connection)
+        except dialect.loaded_dbapi.Error as error:
+            # as `pool_pre_ping` does: the pool drops every connection made before now
+            # (a server restart ended them all) and checks out a new one
+            raise sqlalchemy.exc.InvalidatePoolError(str(error)) from error
 
 
 def sqlite_path(url: str) -> Path | None:

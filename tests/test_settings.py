@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import uuid
 
 import pytest
@@ -116,3 +117,37 @@ def test_every_cli_command_has_help():
                                 capture_output=True, text=True, check=False, timeout=60)
         assert result.returncode == 0, (command, result.stderr)
         assert "usage: llmq" in result.stdout
+
+
+def test_a_pooled_connection_is_pinged_only_after_idling_and_a_dead_one_is_replaced(
+        service_settings, monkeypatch):
+    import tasks.db
+
+    monkeypatch.setattr(tasks.db, "PING_AFTER_IDLE_SECONDS", 0.3)
+    engine = create_db_engine(service_settings.database_url, pool_size=1, max_overflow=0)
+    pings: list[object] = []
+    real_ping = engine.dialect.do_ping
+    monkeypatch.setattr(engine.dialect, "do_ping",
+                        lambda connection: pings.append(connection) or real_ping(connection))
+    try:
+        with engine.connect() as conn:
+            first_pid = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar()
+        for _ in range(3):  # checked out again at once: handed out without a round trip
+            with engine.connect() as conn:
+                assert conn.exec_driver_sql("SELECT pg_backend_pid()").scalar() == first_pid
+        assert pings == []
+        time.sleep(0.4)
+        with engine.connect() as conn:  # idle past the threshold: pinged, still alive
+            assert conn.exec_driver_sql("SELECT pg_backend_pid()").scalar() == first_pid
+        assert len(pings) == 1
+        killer = create_db_engine(service_settings.database_url)  # ends the pooled backend
+        with killer.connect() as conn:
+            assert conn.exec_driver_sql(
+                f"SELECT pg_terminate_backend({first_pid})").scalar() is True
+        killer.dispose()
+        time.sleep(0.4)
+        with engine.connect() as conn:  # the dead one is replaced before anyone uses it
+            assert conn.exec_driver_sql("SELECT pg_backend_pid()").scalar() != first_pid
+        assert len(pings) == 2
+    finally:
+        engine.dispose()
