@@ -6,7 +6,8 @@ down 2048 -> 768, LM head 32000): one pass = every layer's four projections on d
 weights plus the LM head, as a decode step of that many rows does them. "hot" runs the
 same FLOPs on the first layer's weights twelve times, so they stay in the caches. The
 paths take turns round by round (the order rotates), medians reported beside the CPU
-description; the floor is the weights' bytes over a 2-thread read measured in the run.
+description; the floor is the weights' bytes over the read bandwidth measured in the run on
+`--threads` threads (`bench_model.read_bandwidth`).
 
 A large gap between "streamed" and "hot" at a row count means the GEMM there does not
 hide the memory's latency: the weights are read once a pass either way, and at 16 rows
@@ -26,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
+from bench_model import read_bandwidth  # the floor bench_model uses
 
 from kernels import linear as dense
 from kernels import native
@@ -33,17 +35,6 @@ from kernels.cpu import describe
 
 HIDDEN, LAYERS, VOCAB = 768, 12, 32000
 LAYER_SHAPES = ((HIDDEN, 1280), (HIDDEN, HIDDEN), (HIDDEN, 4096), (2048, HIDDEN))
-
-
-def read_bandwidth(num_bytes: int = 1 << 30) -> float:
-    """Bytes per second of a 2-thread sum over `num_bytes` (the best of three)."""
-    data = torch.ones(num_bytes // 4)
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        data.sum()
-        best = min(best, time.perf_counter() - start)
-    return num_bytes / best
 
 
 def main() -> None:
