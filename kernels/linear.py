@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import native
+from kernels.cpu import has_native_bf16
 
 # dtypes oneDNN's prepacked linear takes on CPU (fp16 has no fast x86 path)
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
@@ -28,22 +29,31 @@ PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 PACK_BATCH_HINT = 16
 # the row counts the start-up timing compares the paths at
 PROBE_BATCH_SIZES = (1, 2, 4, 8, 16)
-# from this many rows a bf16 call on a CPU without native bf16 is computed in fp32
-# (`widened_linear`): torch's bf16 `linear` there costs about 9 ms a row per pass over the
-# 100m model's weights, widening a fixed ~100 ms (Zen 3). At 16 rows the layers' weights
-# gain (74 -> 43 ms) and the LM head's larger fresh copy about breaks even; from 64 rows
-# every weight gains (a 64-row decode step: 3.1x faster)
+# and, for bf16 weights on a CPU without native bf16, these too: the native kernel (which
+# widens the weight as it streams in) outruns a widened fp32 GEMM well past 16 rows there
+# (100m model's weights, AVX-512 without BF16: 32 rows 48 against 79 ms, 64 rows 92
+# against 102, 128 rows 174 against 142; AVX2: 32 rows 80 against 116, 64 rows 148
+# against 102; docs/benchmarks.md), so where the two cross is measured too
+WIDE_PROBE_BATCH_SIZES = (32, 64)
+# from this many rows a bf16 call on a CPU without native bf16 that the native kernel does
+# not take is computed in fp32 (`widened_linear`): torch's bf16 `linear` there costs about
+# 9 ms a row per pass over the 100m model's weights, widening a fixed ~100 ms (Zen 3). At
+# 16 rows the layers' weights gain (74 -> 43 ms) and the LM head's larger fresh copy about
+# breaks even; from 64 rows every weight gains (a 64-row decode step: 3.1x faster)
 WIDEN_ROWS = 16
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
-    """True when `weight` [out, in] can take the prepacked path on its device. oneDNN packs
-    bf16 only where the CPU has the instructions for it (AVX-512 BW/VL/DQ or AVX-NE-CONVERT):
-    an AVX2 CPU keeps bf16 weights plain."""
+    """True when `weight` [out, in] can take the prepacked path on its device. bf16 weights
+    are packed only where the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX): oneDNN
+    packs them on any AVX-512 CPU, but without those instructions its bf16 GEMM converts
+    every operand and loses to the native kernel at every row count and to `widened_linear`
+    at large ones (AVX-512 without BF16, the 100m model's weights: 1 row 12.0 against 8.7 ms
+    native, 64 rows 230 against 92 native and 102 widened); on AVX2 it cannot pack them."""
     return (weight.device.type == "cpu" and weight.dtype in PACKABLE_DTYPES
             and weight.dim() == 2 and torch.backends.mkldnn.is_available()
             and not weight.is_mkldnn
-            and (weight.dtype != torch.bfloat16 or onednn_packs_bf16()))
+            and (weight.dtype != torch.bfloat16 or (onednn_packs_bf16() and has_native_bf16())))
 
 
 @functools.cache
@@ -70,7 +80,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.shape[0] <= skinny_rows:
         return native.skinny_linear(x, weight, bias)
     if (x.shape[0] >= WIDEN_ROWS and weight.dtype == torch.bfloat16 and weight.is_cpu
-            and not onednn_packs_bf16()):
+            and not has_native_bf16()):
         return widened_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -78,17 +88,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def widened_linear(x: torch.Tensor, weight: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
     """A bf16 `linear` computed in fp32 and rounded once, as a bf16 linear rounds: on a CPU
-    without native bf16 (AVX2), torch's bf16 `linear` runs 3-6x slower than widening the
-    weight and multiplying in fp32 (Zen 3, the 100m model's weights: 16 rows 74 against
-    43 ms, 256 rows 1,192 against 199 ms; docs/benchmarks.md). The fp32 copy of the weight
-    lives for the call only; widening it costs three passes over its bytes, so calls of
-    fewer than `WIDEN_ROWS` rows stay on torch's bf16 `linear` (1 row: 14.5 against
-    105 ms)."""
+    without native bf16 (AVX2, or AVX-512 without BF16), torch's bf16 `linear` runs 3-6x
+    slower than widening the weight and multiplying in fp32 (Zen 3, the 100m model's
+    weights: 16 rows 74 against 43 ms, 256 rows 1,192 against 199 ms; docs/benchmarks.md).
+    The fp32 copy of the weight lives for the call only; widening it costs three passes
+    over its bytes, so calls of fewer than `WIDEN_ROWS` rows stay on torch's bf16 `linear`
+    (1 row: 14.5 against 105 ms)."""
     out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
     return out.to(x.dtype)
 
 
-def time_paths(weights: list[torch.Tensor], batch_sizes: tuple[int, ...] = PROBE_BATCH_SIZES,
+def probe_batch_sizes(weights: list[torch.Tensor]) -> tuple[int, ...]:
+    """The row counts `time_paths` compares the paths at for these weights."""
+    if any(w.dtype == torch.bfloat16 and w.is_cpu for w in weights) and not has_native_bf16():
+        return PROBE_BATCH_SIZES + WIDE_PROBE_BATCH_SIZES
+    return PROBE_BATCH_SIZES
+
+
+def time_paths(weights: list[torch.Tensor], batch_sizes: tuple[int, ...] | None = None,
                rounds: int = 7) -> dict[int, dict[str, float]]:
     """Per batch size M, per path: the median seconds of `x [M, in] @ w^T` summed over
     `weights`. Paths: "reference" (torch's `linear`), "prepacked" (oneDNN, when every
@@ -99,6 +116,7 @@ def time_paths(weights: list[torch.Tensor], batch_sizes: tuple[int, ...] = PROBE
     native kernel reads fastest at few rows), so it is measured on the model's own shapes
     rather than assumed. The paths take turns, round by round and in a rotating order, so
     a neighbour's load falls on all of them."""
+    batch_sizes = probe_batch_sizes(weights) if batch_sizes is None else batch_sizes
     calls: dict[str, list[tuple[torch.Tensor, int]]] = {
         "reference": [(w, 0) for w in weights]}
     if all(can_prepack(w) for w in weights):

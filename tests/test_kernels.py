@@ -338,12 +338,14 @@ def test_tensor_parallel_shards_recombine_to_the_full_layer():
 @pytest.mark.parametrize("bias", [False, True])
 def test_prepacked_linear_equals_torch_linear(dtype, bias):
     from kernels import linear as dense
+    from kernels.cpu import has_native_bf16
 
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(96, 64, generator=gen).to(dtype)
     b = torch.randn(96, generator=gen).to(dtype) if bias else None
-    if dtype == torch.bfloat16 and not dense.onednn_packs_bf16():
-        # an AVX2 CPU: oneDNN refuses to pack bf16, so the weight must stay plain
+    if dtype == torch.bfloat16 and not has_native_bf16():
+        # no bf16 dot products: oneDNN refuses to pack bf16 (AVX2) or would emulate it
+        # slower than the native kernel (AVX-512 without BF16): the weight stays plain
         assert not dense.can_prepack(weight)
         return
     assert dense.can_prepack(weight)
@@ -366,7 +368,7 @@ def test_prepacked_linear_equals_torch_linear(dtype, bias):
 def test_a_widened_bf16_linear_rounds_as_torch_bf16_linear(rows, monkeypatch):
     """fp32 sums of the widened weight, rounded once: within one bf16 step of torch's bf16
     `linear` (the same sums in another order), and `linear` takes this path exactly where
-    oneDNN has no bf16 (an AVX2 CPU)."""
+    the CPU has no bf16 dot products (AVX2, or AVX-512 without BF16)."""
     from kernels import linear as dense
 
     gen = torch.Generator().manual_seed(rows)
@@ -380,10 +382,10 @@ def test_a_widened_bf16_linear_rounds_as_torch_bf16_linear(rows, monkeypatch):
         assert torch.allclose(got.double(), exact, rtol=2 ** -8, atol=1e-2)
         assert torch.allclose(got.float(), want.float(), rtol=2 ** -7, atol=1e-2)
         assert (got != want).float().mean() <= 0.02
-    for packs in (True, False):
-        monkeypatch.setattr(dense, "onednn_packs_bf16", lambda packs=packs: packs)
+    for native_bf16 in (True, False):
+        monkeypatch.setattr(dense, "has_native_bf16", lambda value=native_bf16: value)
         chosen = dense.linear(x, weight, bias)
-        widened = not packs and rows >= dense.WIDEN_ROWS  # few rows: torch's bf16 linear
+        widened = not native_bf16 and rows >= dense.WIDEN_ROWS  # few: torch's bf16 linear
         path = dense.widened_linear(x, weight, bias) if widened else F.linear(x, weight, bias)
         assert torch.equal(chosen, path)
 
@@ -393,7 +395,8 @@ def test_prepack_linears_swaps_weights_in_place_once(tiny_qwen3_tied_dir):
     from workers.engine.loader import load_checkpoint
     from workers.engine.models.layers import prepack_linears
 
-    dtype = "bfloat16" if dense.onednn_packs_bf16() else "float32"
+    bf16 = torch.empty(2, 2, dtype=torch.bfloat16)
+    dtype = "bfloat16" if dense.can_prepack(bf16) else "float32"
     loaded = load_checkpoint(tiny_qwen3_tied_dir, dtype=dtype)
     model = loaded.model
     ids = torch.tensor([5, 6, 7])
@@ -422,7 +425,7 @@ def test_prepack_linears_swaps_weights_in_place_once(tiny_qwen3_tied_dir):
 def test_runner_times_both_linear_paths_at_start_up_and_takes_the_faster(
         tiny_qwen3_tied_dir, dtype, monkeypatch):
     from kernels import linear as dense
-    from kernels.linear import PROBE_BATCH_SIZES, choose_plan, plain_rows_limit
+    from kernels.linear import choose_plan, plain_rows_limit, probe_batch_sizes
     from workers.engine.loader import load_checkpoint
     from workers.engine.model_runner import ModelRunner
     from workers.engine.models.layers import probe_weights
@@ -438,11 +441,13 @@ def test_runner_times_both_linear_paths_at_start_up_and_takes_the_faster(
     monkeypatch.setenv("LLMQ_LINEAR_PATH", "auto")
     runner = ModelRunner(loaded, kv_cache_bytes=1 << 20)
     probe = runner.linear_probe
-    assert set(probe) == set(PROBE_BATCH_SIZES)
+    weight = torch.empty(2, 2, dtype=getattr(torch, dtype))
+    assert set(probe) == set(probe_batch_sizes([weight]))
     packed = [b for b in loaded.model.buffers() if b.is_mkldnn]
     plan = choose_plan(probe)
-    if dtype == "bfloat16" and not dense.onednn_packs_bf16():
-        # nothing to pack here: torch's linear and the native kernel are timed
+    if not dense.can_prepack(weight):
+        # nothing to pack here (bf16 without bf16 dot products): torch's linear and the
+        # native kernel are timed
         assert all("prepacked" not in t for t in probe.values()) and not packed
         assert runner.linear_path == plan.name and plan.name in ("native", "reference")
         return

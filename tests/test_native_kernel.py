@@ -139,8 +139,10 @@ def test_the_runner_times_three_paths_and_applies_the_plan(tiny_qwen3_tied_dir, 
     loaded = load_checkpoint(tiny_qwen3_tied_dir, dtype="bfloat16")
     runner = ModelRunner(loaded, kv_cache_bytes=1 << 20)
     times = runner.linear_probe
-    assert set(times) == set(dense.PROBE_BATCH_SIZES)
-    paths = {"reference", "native"} | ({"prepacked"} if dense.onednn_packs_bf16() else set())
+    bf16 = torch.empty(2, 2, dtype=torch.bfloat16)
+    # (and 32, 64 rows where the CPU has no bf16 dot product)
+    assert set(times) == set(dense.probe_batch_sizes([bf16]))
+    paths = {"reference", "native"} | ({"prepacked"} if dense.can_prepack(bf16) else set())
     assert all(set(by_path) == paths and
                all(t > 0 for t in by_path.values()) for by_path in times.values())
     plan = dense.choose_plan(times)
@@ -395,15 +397,22 @@ def test_the_step_kernels_setting_picks_native_or_reference(tiny_qwen3_tied_dir,
                     kv_cache_bytes=1 << 20, linear_path="reference")
 
 
-@pytest.mark.parametrize("march, isa", [("x86-64-v3", "avx2"), ("x86-64", "generic")])
+@pytest.mark.parametrize("march, isa", [("x86-64-v4", "avx512f"), ("x86-64-v3", "avx2"),
+                                        ("x86-64", "generic")])
 def test_the_builds_for_other_x86_cpus_equal_the_references(monkeypatch, march, isa):
-    """The same checks on builds for x86-64-v3 (AVX2 and FMA, no AVX-512: the vector
-    bodies such a CPU runs) and plain x86-64 (the plain loops), which the native build of
-    an AVX-512 machine never runs."""
+    """The same checks on builds for x86-64-v4 (AVX-512 without BF16: bf16 weights widened
+    as they stream in), x86-64-v3 (AVX2 and FMA, no AVX-512: the vector bodies such a CPU
+    runs) and plain x86-64 (the plain loops), which the native build of a CPU with bf16
+    dot products (or without AVX-512) never runs."""
     import platform
+
+    from kernels.cpu import cpu_flags
 
     if platform.machine() != "x86_64":
         pytest.skip("the baseline builds are for x86_64")
+    if march == "x86-64-v4" and not {"avx512f", "avx512bw", "avx512dq",
+                                     "avx512vl"} <= cpu_flags():
+        pytest.skip("this CPU cannot run an AVX-512 build")
     baseline = native.build(march)
     assert baseline is not None and baseline.isa == isa
     monkeypatch.setattr(native, "_library", lambda: baseline)

@@ -64,28 +64,35 @@ static inline void prefetch_run(const void *start, int64_t bytes) {
 /* ---- fp32 ------------------------------------------------------------------------ */
 
 #if defined(__AVX512F__)
-static ALWAYS_INLINE void block_f32_rows(const float *x, const float *w, float *out,
-                                         int64_t K, int64_t mr, int64_t ldx) {
-    __m512 acc[MR][2];
-    for (int64_t i = 0; i < mr; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
-        PREFETCH_AHEAD(w + k);
-        __m512 a = _mm512_loadu_ps(w + k), b = _mm512_loadu_ps(w + k + 16);
-        for (int64_t i = 0; i < mr; ++i) {
-            acc[i][0] = _mm512_fmadd_ps(_mm512_loadu_ps(x + i * ldx + k), a, acc[i][0]);
-            acc[i][1] = _mm512_fmadd_ps(_mm512_loadu_ps(x + i * ldx + k + 16), b, acc[i][1]);
-        }
+/* fp32 rows of x, a weight row of WT loaded 16 at a time as fp32 by LOAD_W (TAIL_W: the
+ * first bits of a mask): two accumulators a row of x keep two FMAs in flight */
+#define AVX512_BLOCK(name, WT, LOAD_W, TAIL_W)                                            \
+    static ALWAYS_INLINE void name(const float *x, const WT *w, float *out, int64_t K,    \
+                                   int64_t mr, int64_t ldx) {                             \
+        __m512 acc[MR][2];                                                                \
+        for (int64_t i = 0; i < mr; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();    \
+        int64_t k = 0;                                                                    \
+        for (; k + 32 <= K; k += 32) {                                                    \
+            PREFETCH_AHEAD(w + k);                                                        \
+            __m512 a = LOAD_W(w + k), b = LOAD_W(w + k + 16);                             \
+            for (int64_t i = 0; i < mr; ++i) {                                            \
+                acc[i][0] = _mm512_fmadd_ps(_mm512_loadu_ps(x + i * ldx + k), a, acc[i][0]); \
+                acc[i][1] = _mm512_fmadd_ps(_mm512_loadu_ps(x + i * ldx + k + 16), b,     \
+                                            acc[i][1]);                                   \
+            }                                                                             \
+        }                                                                                 \
+        for (; k < K; k += 16) {                                                          \
+            int64_t left = K - k < 16 ? K - k : 16;                                       \
+            __mmask16 m = (__mmask16)((1u << left) - 1);                                  \
+            __m512 a = TAIL_W(m, w + k);                                                  \
+            for (int64_t i = 0; i < mr; ++i)                                              \
+                acc[i][0] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, x + i * ldx + k), a, \
+                                            acc[i][0]);                                   \
+        }                                                                                 \
+        for (int64_t i = 0; i < mr; ++i)                                                  \
+            out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]));           \
     }
-    for (; k < K; k += 16) {
-        int64_t left = K - k < 16 ? K - k : 16;
-        __mmask16 m = (__mmask16)((1u << left) - 1);
-        __m512 a = _mm512_maskz_loadu_ps(m, w + k);
-        for (int64_t i = 0; i < mr; ++i)
-            acc[i][0] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, x + i * ldx + k), a, acc[i][0]);
-    }
-    for (int64_t i = 0; i < mr; ++i) out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]));
-}
+AVX512_BLOCK(block_f32_rows, float, _mm512_loadu_ps, _mm512_maskz_loadu_ps)
 #elif defined(SKINNY_AVX2)
 /* 8 lanes: two accumulators a row (16 weights an iteration) keep two FMAs in flight per
  * row; x's rows are fp32 (a bf16 x is widened once per call, see llmq_skinny_bf16) and
@@ -152,6 +159,7 @@ AVX2_BLOCK(block_bf16f_rows, uint16_t, load8_bf16)
     }
 AVX2_TILE(tile_f32_rows, float, _mm256_loadu_ps)
 AVX2_TILE(tile_bf16f_rows, uint16_t, load8_bf16)
+#define NR_WIDE NR_AVX2 /* weight rows per tile of tile_bf16f_rows */
 #else
 static ALWAYS_INLINE void block_f32_rows(const float *x, const float *w, float *out,
                                          int64_t K, int64_t mr, int64_t ldx) {
@@ -279,6 +287,54 @@ static ALWAYS_INLINE void block_bf16_rows(const uint16_t *x, const uint16_t *w,
 }
 #endif
 
+#if defined(__AVX512F__) && !defined(__AVX512BF16__)
+/* AVX-512 without a bf16 dot product (Ice Lake, some Sapphire Rapids guests): as on AVX2,
+ * x is widened to fp32 once per call (llmq_skinny_bf16) and the weight as it streams in,
+ * 16 at a time (a zero-extend and a shift), in block_f32_rows' body. block_bf16_rows
+ * above (left for when the widened copy of x cannot be allocated) widens x again for
+ * every weight row and keeps one FMA chain a row: it read bf16 weights at half the rate
+ * of fp32 ones, and 16 rows took twice as long as in fp32 (docs/benchmarks.md, "Intel
+ * Xeon with AVX-512 and no bf16") */
+#define SKINNY_WIDEN_X 1
+#define NR_WIDE NR /* weight rows per tile of tile_bf16f_rows */
+static inline __m512 widen_bf16(const uint16_t *p) {
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+AVX512_BLOCK(block_bf16f_rows, uint16_t, widen_bf16, widen_bf16_masked)
+/* NR weight rows with `mr` rows of x (tile_f32_rows), each weight vector widened once
+ * for all of them */
+static ALWAYS_INLINE void tile_bf16f_rows(const float *x, const uint16_t *w, float *out,
+                                          int64_t K, int64_t mr, int64_t ldx) {
+    __m512 acc[MR][NR];
+    for (int64_t i = 0; i < mr; ++i)
+        for (int64_t j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m512 wv[NR];
+        for (int64_t j = 0; j < NR; ++j) {
+            PREFETCH_LINE((const char *)(w + j * K + k) + PREFETCH_BYTES);
+            wv[j] = widen_bf16(w + j * K + k);
+        }
+        for (int64_t i = 0; i < mr; ++i) {
+            __m512 xv = _mm512_loadu_ps(x + i * ldx + k);
+            for (int64_t j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+        }
+    }
+    if (k < K) {
+        __mmask16 m = (__mmask16)((1u << (K - k)) - 1);
+        __m512 wv[NR];
+        for (int64_t j = 0; j < NR; ++j) wv[j] = widen_bf16_masked(m, w + j * K + k);
+        for (int64_t i = 0; i < mr; ++i) {
+            __m512 xv = _mm512_maskz_loadu_ps(m, x + i * ldx + k);
+            for (int64_t j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+        }
+    }
+    for (int64_t i = 0; i < mr; ++i)
+        for (int64_t j = 0; j < NR; ++j) out[i * NR + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+#endif
+
 #if defined(__AVX512BF16__)
 /* tile_f32_rows for bf16 (AVX512_TILE above) */
 static ALWAYS_INLINE __m512bh load32_bf16(const uint16_t *p) {
@@ -307,7 +363,7 @@ BY_ROW_COUNT(tile_f32, float, float)
 #if defined(__AVX512BF16__)
 BY_ROW_COUNT(tile_bf16, uint16_t, uint16_t)
 #endif
-#if defined(SKINNY_AVX2)
+#if defined(SKINNY_AVX2) || defined(SKINNY_WIDEN_X)
 BY_ROW_COUNT(block_bf16f, float, uint16_t)
 BY_ROW_COUNT(tile_bf16f, float, uint16_t)
 #endif
@@ -519,16 +575,15 @@ void llmq_skinny_f32(const float *x, const float *w, const float *bias, float *y
 void llmq_skinny_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
                       uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t ldx,
                       int threads) {
-#if defined(SKINNY_AVX2)
-    /* AVX2 has no bf16 dot product: x is widened to fp32 once here (M x K, a few KB),
-     * so the inner loop widens only the streamed weight */
+#if defined(SKINNY_AVX2) || defined(SKINNY_WIDEN_X)
+    /* no bf16 dot product (AVX2, or AVX-512 without BF16): x is widened to fp32 once here
+     * (M x K, a few KB), so the inner loop widens only the streamed weight */
     float *xf = malloc(sizeof(float) * (size_t)(M * K));
     if (xf) {
         for (int64_t m = 0; m < M; ++m)
             for (int64_t k = 0; k < K; ++k) xf[m * K + k] = bf16_to_float(x[m * ldx + k]);
         if (M >= 2)
-            SKINNY_LOOP(tile_bf16f, block_bf16f, NR_AVX2, xf, K, bf16_to_float,
-                        float_to_bf16);
+            SKINNY_LOOP(tile_bf16f, block_bf16f, NR_WIDE, xf, K, bf16_to_float, float_to_bf16);
         else
             SKINNY_LOOP(block_bf16f, block_bf16f, 1, xf, K, bf16_to_float, float_to_bf16);
         free(xf);
