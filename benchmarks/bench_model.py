@@ -7,7 +7,7 @@ Measured in one run, beside the CPU description (model, ISA flags, threads, vers
    copy bandwidth of a large tensor copy (STREAM convention: bytes read + bytes written,
    per second), the convention of earlier figures; for the linear path the runner picks
    at start-up ("ours") and another one (oneDNN prepacked weights, or torch's reference
-   `linear` when ours is prepacked), alternated, medians;
+   `linear` when ours is prepacked or the dtype is never packed here), alternated, medians;
 2. output tokens/s at batch 1, 16 and 64 (same prompt length, same number of new tokens,
    EOS ignored) beside Hugging Face `generate` on the same prompts, same dtype.
 
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from kernels.cpu import describe
-from kernels.linear import describe_times
+from kernels.linear import can_prepack, describe_times
 from tasks.params import SamplingParams
 from workers.engine.loader import load_checkpoint
 from workers.engine.model_runner import ModelRunner
@@ -172,7 +172,10 @@ def main() -> None:
     # beside it as the A/B
     benches = {"ours": make_bench(model_dir, args.dtype, None, *shape)}
     runner = benches["ours"].runner
-    other = "reference" if runner.linear_path == "prepacked" else "prepacked"
+    # (where this dtype's weights are never packed, bf16 on a CPU without bf16 dot
+    # products, "prepacked" would run torch's linear under the wrong name)
+    packs = can_prepack(torch.empty(2, 2, dtype=runner.dtype))
+    other = "reference" if runner.linear_path == "prepacked" or not packs else "prepacked"
     if not args.no_reference:
         benches[other] = make_bench(model_dir, args.dtype, other, *shape)
     loaded = runner.loaded
