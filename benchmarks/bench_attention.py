@@ -1,15 +1,19 @@
 """Micro-benchmark of decode attention formulations over the block-major KV cache.
 
-Shapes of the `100m` preset: 12 layers, 12 query heads over 4 KV heads, head_dim 64, block
-size 16, fp32. The native kernel (kernels/native/step_ops.c, the CPU's default) runs
-beside the torch formulations. One call = one layer's decode attention (the model makes
-12 per step), on a per-layer strided view `kv_cache[:, 0, layer]` like the model's.
+Shapes of the `100m` preset by default: 12 layers, 12 query heads over 4 KV heads, head_dim
+64, block size 16, fp32 (`--heads`, `--kv-heads`, `--head-dim`, `--dtype` for others). The
+native kernel (kernels/native/step_ops.c, the CPU's default) runs beside the torch
+formulations. One call = one layer's decode attention (the model makes 12 per step), on a
+per-layer strided view `kv_cache[:, 0, layer]` like the model's.
 Contexts are drawn uniformly from 32-768 tokens; block tables are random so no sequence's
 blocks are adjacent. Each formulation is checked against the padded reference before it
 is timed.
 
     python benchmarks/bench_attention.py                      # batches 1, 16, 64
     python benchmarks/bench_attention.py --batches 64 --repeats 20 --threads 1
+    # the `small` preset's shapes in bf16, the native kernel alone
+    python benchmarks/bench_attention.py --heads 8 --kv-heads 2 --head-dim 32 \
+        --dtype bfloat16 --native-only
 """
 
 from __future__ import annotations
@@ -137,29 +141,47 @@ def time_call(fn: Callable[[], torch.Tensor], repeats: int) -> float:
 
 
 def main() -> None:
+    global NUM_HEADS, NUM_KV_HEADS, HEAD_DIM  # the formulations above read the shape here
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--min-context", type=int, default=32)
     ap.add_argument("--max-context", type=int, default=768)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--heads", type=int, default=NUM_HEADS, help="query heads")
+    ap.add_argument("--kv-heads", type=int, default=NUM_KV_HEADS)
+    ap.add_argument("--head-dim", type=int, default=HEAD_DIM)
+    ap.add_argument("--native-only", action="store_true",
+                    help="time the native kernel alone (still checked against the padded "
+                         "reference)")
     args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
+    if args.heads % args.kv_heads:
+        ap.error("--heads must be a multiple of --kv-heads")
+    NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = args.heads, args.kv_heads, args.head_dim
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message="index_reduce")
     print(describe(), flush=True)
     if not native.available():
         del CANDIDATES["kernels.native (default)"]
         print("the native kernels do not build here: left out")
+    elif args.native_only:
+        for name in [n for n in CANDIDATES if n != "kernels.native (default)"]:
+            del CANDIDATES[name]
+    print(f"{NUM_HEADS} query heads over {NUM_KV_HEADS} KV heads, head size {HEAD_DIM}, "
+          f"{args.dtype}")
     rng = random.Random(0)
     for batch in (int(b) for b in args.batches.split(",")):
         lens = [rng.randint(args.min_context, args.max_context) for _ in range(batch)]
         num_blocks = sum(-(-n // BLOCK_SIZE) for n in lens) + 8
-        kv_cache = torch.randn(num_blocks, 2, NUM_LAYERS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+        kv_cache = torch.randn(num_blocks, 2, NUM_LAYERS, BLOCK_SIZE, NUM_KV_HEADS,
+                               HEAD_DIM).to(dtype)
         free = list(range(1, num_blocks))
         rng.shuffle(free)
         tables = [[free.pop() for _ in range(-(-n // BLOCK_SIZE))] for n in lens]
         k_cache, v_cache = kv_cache[:, 0, 5], kv_cache[:, 1, 5]
-        q = torch.randn(batch, NUM_HEADS, HEAD_DIM)
+        q = torch.randn(batch, NUM_HEADS, HEAD_DIM).to(dtype)
         with torch.inference_mode():
             spans = [(n - 1, 1, t) for n, t in zip(lens, tables)]
             _META[:] = [build_attention_metadata(kv_cache, spans)]
@@ -170,7 +192,7 @@ def main() -> None:
                   f"best of {args.repeats}")
             for name, kernel in CANDIDATES.items():
                 fn = functools.partial(kernel, q, k_cache, v_cache, tables, lens)
-                err = (fn() - ref).abs().max().item()
+                err = (fn().float() - ref.float()).abs().max().item()
                 ms = time_call(fn, args.repeats) * 1e3
                 print(f"  {name:26s} {ms:8.3f} ms/layer  {ms * NUM_LAYERS:8.2f} ms/step"
                       f"  {kv_bytes / ms / 1e6:5.1f} GB/s of K and V  max |diff| {err:.1e}")

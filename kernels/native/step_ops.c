@@ -225,41 +225,61 @@ static inline __m512 reduce_add16x16(const __m512 *a) {
     return _mm512_permutexvar_ps(order, w);
 }
 
+/* the scores of one query head (q [NV]) against 16 keys (fewer: n), key j's vector v
+ * loaded by KEY(j, v), reduced, rounded and stored at `out` */
+#define HEAD_SCORES(S, NV, KEY, out)                                                      \
+    do {                                                                                  \
+        __m512 a[16];                                                                     \
+        _Pragma("GCC unroll 16")                                                          \
+        for (int j = 0; j < 16; ++j) {                                                    \
+            a[j] = _mm512_setzero_ps();                                                   \
+            if (j < n) {                                                                  \
+                _Pragma("GCC unroll 8")                                                   \
+                for (int v = 0; v < NV; ++v) a[j] = _mm512_fmadd_ps(q[v], KEY(j, v), a[j]); \
+            }                                                                             \
+        }                                                                                 \
+        _mm512_mask_storeu_ps(out, tail_mask(n), round16_##S(reduce_add16x16(a)));        \
+    } while (0)
+
 /* One sequence's query heads sharing a KV head (G of them, scaled, as `qs` [G, D]) over
- * its L keys and values (`rows`: where each lies), D = 16 NV features: the scores of 16
- * keys at a time, then the weighted values with every head's sums in registers, each
- * value read once for all G heads. The same sums in the same order as `head_dot`,
- * `softmax_*` and `weighted_values_*`: the results are theirs bit for bit. Each row is
- * asked for ahead of its use (the heads' rows lie 1 KB or more apart, in blocks anywhere
- * in the cache: the hardware's prefetchers miss them). */
+ * its L keys and values (`rows`: where each lies), D = 16 NV features: the scores 16 keys
+ * at a time, every head's for a block of keys before the next block (block-major: a key
+ * row is read from memory once and, in bf16, widened to fp32 once for all G heads; head
+ * by head, bf16 keys were widened G times, and bf16 attention with grouped heads ran no
+ * faster than fp32 on half the bytes), then the weighted values with every head's sums
+ * in registers, each value read once for all G heads. The same sums in the same order
+ * as `head_dot`, `softmax_*` and `weighted_values_*`: the results are theirs bit for
+ * bit. Each row is asked for ahead of its use (the heads' rows lie 1 KB or more apart,
+ * in blocks anywhere in the cache: the hardware's prefetchers miss them). */
 #define ATTEND_NV(S, T, NV)                                                               \
     static void attend_##S##_##NV(const float *qs, int64_t G, int64_t L,                  \
                                   const T *k_cache, const T *v_cache,                     \
                                   const int64_t *rows, float *p, float *acc) {            \
         const int row_bytes = 16 * NV * (int)sizeof(T);                                   \
-        for (int64_t g = 0; g < G; ++g) {                                                 \
-            __m512 q[NV];                                                                 \
-            for (int v = 0; v < NV; ++v) q[v] = _mm512_loadu_ps(qs + (g * NV + v) * 16);  \
-            for (int64_t t0 = 0; t0 < L; t0 += 16) {                                      \
-                int64_t n = L - t0 < 16 ? L - t0 : 16;                                    \
-                __m512 a[16];                                                             \
-                if (g == 0) /* the first head's pass */                                   \
-                    PREFETCH_BLOCK(k_cache, v_cache, rows, t0, 16, L, row_bytes);         \
-                _Pragma("GCC unroll 16")                                                  \
-                for (int j = 0; j < 16; ++j) {                                            \
-                    a[j] = _mm512_setzero_ps();                                           \
-                    if (j < n) {                                                          \
-                        const T *key = k_cache + rows[t0 + j];                            \
-                        _Pragma("GCC unroll 8")                                           \
-                        for (int v = 0; v < NV; ++v)                                      \
-                            a[j] = _mm512_fmadd_ps(q[v], load16_##S(key + 16 * v), a[j]); \
-                    }                                                                     \
-                }                                                                         \
-                _mm512_mask_storeu_ps(p + g * L + t0, tail_mask(n),                       \
-                                      round16_##S(reduce_add16x16(a)));                   \
+        /* a block's keys as fp32 (bf16 with G > 1), key j's vector v at (j NV + v) 16 */ \
+        float wide[16 * 16 * NV];                                                         \
+        const int nv = NV;                                                                \
+        const int widen = sizeof(T) != sizeof(float) && G > 1;                            \
+        for (int64_t t0 = 0; t0 < L; t0 += 16) {                                          \
+            int64_t n = L - t0 < 16 ? L - t0 : 16;                                        \
+            const T *key[16];                                                             \
+            PREFETCH_BLOCK(k_cache, v_cache, rows, t0, 16, L, row_bytes);                 \
+            for (int j = 0; j < n; ++j) key[j] = k_cache + rows[t0 + j];                  \
+            if (widen)                                                                    \
+                for (int j = 0; j < n; ++j)                                               \
+                    for (int v = 0; v < NV; ++v)                                          \
+                        _mm512_storeu_ps(wide + (j * NV + v) * 16,                        \
+                                         load16_##S(key[j] + 16 * v));                    \
+            for (int64_t g = 0; g < G; ++g) {                                             \
+                __m512 q[NV];                                                             \
+                for (int v = 0; v < NV; ++v) q[v] = _mm512_loadu_ps(qs + (g * NV + v) * 16); \
+                if (widen)                                                                \
+                    HEAD_SCORES(S, NV, WIDE_KEY, p + g * L + t0);                         \
+                else                                                                      \
+                    HEAD_SCORES(S, NV, CACHED_KEY_##S, p + g * L + t0);                   \
             }                                                                             \
-            softmax_##S(p + g * L, L);                                                    \
         }                                                                                 \
+        for (int64_t g = 0; g < G; ++g) softmax_##S(p + g * L, L);                        \
         for (int64_t g0 = 0; g0 < G; g0 += 16 / NV) {                                     \
             int64_t heads = G - g0 < 16 / NV ? G - g0 : 16 / NV;                          \
             __m512 a[16];                                                                 \
@@ -285,6 +305,9 @@ static inline __m512 reduce_add16x16(const __m512 *a) {
                     _mm512_storeu_ps(acc + ((g0 + h) * NV + v) * 16, a[h * NV + v]);      \
         }                                                                                 \
     }
+#define WIDE_KEY(j, v) _mm512_loadu_ps(wide + ((j) * nv + (v)) * 16)
+#define CACHED_KEY_f32(j, v) _mm512_loadu_ps(key[j] + 16 * (v))
+#define CACHED_KEY_bf16(j, v) load16_bf16(key[j] + 16 * (v))
 #define ATTEND_ALL(S, T)                                                                  \
     ATTEND_NV(S, T, 1)                                                                    \
     ATTEND_NV(S, T, 2)                                                                    \
