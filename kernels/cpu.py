@@ -46,6 +46,7 @@ def cpu_description_key() -> str:
     return f"{platform.machine()}|{model}|{' '.join(sorted(flags))}"
 
 
+@functools.cache
 def has_native_bf16() -> bool:
     """True when the CPU multiplies bf16 in hardware, so bf16 weights halve the bytes a
     step reads without an emulation cost."""

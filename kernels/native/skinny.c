@@ -180,12 +180,14 @@ static ALWAYS_INLINE void block_f32_rows(const float *x, const float *w, float *
  * multiply-add, this one half a load (16 rows x 4096 x 768 twelve times, 2 threads:
  * 11.7 -> 9.1 ms on a Xeon with AMX, docs/benchmarks.md). out: [mr][NR].
  *
- * One body for both dtypes: VT vectors of STEP elements, loaded with LOAD and multiplied
- * into the fp32 sums with MADD(acc, x, w) (fp32: a fused multiply-add of 16; bf16:
- * vdpbf16ps on 32 pairs); the tail, fewer than STEP elements, 16 at a time as fp32 loaded
- * (widened for bf16) under a mask by TAIL_LOAD. */
-#define AVX512_TILE(name, T, VT, STEP, LOAD, MADD, TAIL_LOAD)                              \
-    static ALWAYS_INLINE void name(const T *x, const T *w, float *out, int64_t K,          \
+ * One body for every dtype: x rows of XT and a weight of WT, as VT vectors of STEP
+ * elements loaded with LOAD_X and LOAD_W, multiplied into the fp32 sums with
+ * MADD(acc, x, w) (fp32: a fused multiply-add of 16; bf16: vdpbf16ps on 32 pairs; a bf16
+ * weight beside fp32 x: widened as loaded, then a fused multiply-add); the tail, fewer
+ * than STEP elements, 16 at a time as fp32 loaded (widened for bf16) under a mask by
+ * TAIL_X and TAIL_W. */
+#define AVX512_TILE(name, XT, WT, VT, STEP, LOAD_X, LOAD_W, MADD, TAIL_X, TAIL_W)          \
+    static ALWAYS_INLINE void name(const XT *x, const WT *w, float *out, int64_t K,        \
                                    int64_t mr, int64_t ldx) {                              \
         __m512 acc[MR][NR];                                                                 \
         for (int64_t i = 0; i < mr; ++i)                                                    \
@@ -195,10 +197,10 @@ static ALWAYS_INLINE void block_f32_rows(const float *x, const float *w, float *
             VT wv[NR];                                                                      \
             for (int64_t j = 0; j < NR; ++j) {                                              \
                 PREFETCH_LINE((const char *)(w + j * K + k) + PREFETCH_BYTES);              \
-                wv[j] = LOAD(w + j * K + k);                                                \
+                wv[j] = LOAD_W(w + j * K + k);                                              \
             }                                                                               \
             for (int64_t i = 0; i < mr; ++i) {                                              \
-                VT xv = LOAD(x + i * ldx + k);                                              \
+                VT xv = LOAD_X(x + i * ldx + k);                                            \
                 for (int64_t j = 0; j < NR; ++j) acc[i][j] = MADD(acc[i][j], xv, wv[j]);    \
             }                                                                               \
         }                                                                                   \
@@ -206,9 +208,9 @@ static ALWAYS_INLINE void block_f32_rows(const float *x, const float *w, float *
             int64_t left = K - k < 16 ? K - k : 16;                                         \
             __mmask16 m = (__mmask16)((1u << left) - 1);                                    \
             __m512 wv[NR];                                                                  \
-            for (int64_t j = 0; j < NR; ++j) wv[j] = TAIL_LOAD(m, w + j * K + k);           \
+            for (int64_t j = 0; j < NR; ++j) wv[j] = TAIL_W(m, w + j * K + k);              \
             for (int64_t i = 0; i < mr; ++i) {                                              \
-                __m512 xv = TAIL_LOAD(m, x + i * ldx + k);                                  \
+                __m512 xv = TAIL_X(m, x + i * ldx + k);                                     \
                 for (int64_t j = 0; j < NR; ++j)                                            \
                     acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);                      \
             }                                                                               \
@@ -220,8 +222,8 @@ static ALWAYS_INLINE void block_f32_rows(const float *x, const float *w, float *
 static ALWAYS_INLINE __m512 fmadd_f32(__m512 acc, __m512 x, __m512 w) {
     return _mm512_fmadd_ps(x, w, acc);
 }
-AVX512_TILE(tile_f32_rows, float, __m512, 16, _mm512_loadu_ps, fmadd_f32,
-            _mm512_maskz_loadu_ps)
+AVX512_TILE(tile_f32_rows, float, float, __m512, 16, _mm512_loadu_ps, _mm512_loadu_ps,
+            fmadd_f32, _mm512_maskz_loadu_ps, _mm512_maskz_loadu_ps)
 #endif
 
 /* ---- bf16 ------------------------------------------------------------------------ */
@@ -302,37 +304,10 @@ static inline __m512 widen_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 AVX512_BLOCK(block_bf16f_rows, uint16_t, widen_bf16, widen_bf16_masked)
-/* NR weight rows with `mr` rows of x (tile_f32_rows), each weight vector widened once
- * for all of them */
-static ALWAYS_INLINE void tile_bf16f_rows(const float *x, const uint16_t *w, float *out,
-                                          int64_t K, int64_t mr, int64_t ldx) {
-    __m512 acc[MR][NR];
-    for (int64_t i = 0; i < mr; ++i)
-        for (int64_t j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16) {
-        __m512 wv[NR];
-        for (int64_t j = 0; j < NR; ++j) {
-            PREFETCH_LINE((const char *)(w + j * K + k) + PREFETCH_BYTES);
-            wv[j] = widen_bf16(w + j * K + k);
-        }
-        for (int64_t i = 0; i < mr; ++i) {
-            __m512 xv = _mm512_loadu_ps(x + i * ldx + k);
-            for (int64_t j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
-        }
-    }
-    if (k < K) {
-        __mmask16 m = (__mmask16)((1u << (K - k)) - 1);
-        __m512 wv[NR];
-        for (int64_t j = 0; j < NR; ++j) wv[j] = widen_bf16_masked(m, w + j * K + k);
-        for (int64_t i = 0; i < mr; ++i) {
-            __m512 xv = _mm512_maskz_loadu_ps(m, x + i * ldx + k);
-            for (int64_t j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
-        }
-    }
-    for (int64_t i = 0; i < mr; ++i)
-        for (int64_t j = 0; j < NR; ++j) out[i * NR + j] = _mm512_reduce_add_ps(acc[i][j]);
-}
+/* tile_f32_rows for a bf16 weight beside fp32 x: each weight vector widened once for all
+ * the rows of x */
+AVX512_TILE(tile_bf16f_rows, float, uint16_t, __m512, 16, _mm512_loadu_ps, widen_bf16,
+            fmadd_f32, _mm512_maskz_loadu_ps, widen_bf16_masked)
 #endif
 
 #if defined(__AVX512BF16__)
@@ -340,8 +315,8 @@ static ALWAYS_INLINE void tile_bf16f_rows(const float *x, const uint16_t *w, flo
 static ALWAYS_INLINE __m512bh load32_bf16(const uint16_t *p) {
     return (__m512bh)_mm512_loadu_si512(p);
 }
-AVX512_TILE(tile_bf16_rows, uint16_t, __m512bh, 32, load32_bf16, _mm512_dpbf16_ps,
-            widen_bf16_masked)
+AVX512_TILE(tile_bf16_rows, uint16_t, uint16_t, __m512bh, 32, load32_bf16, load32_bf16,
+            _mm512_dpbf16_ps, widen_bf16_masked, widen_bf16_masked)
 #endif
 
 /* x rows of type XT, a weight row of type WT */

@@ -226,7 +226,7 @@ static inline __m512 reduce_add16x16(const __m512 *a) {
 }
 
 /* the scores of one query head (q [NV]) against 16 keys (fewer: n), key j's vector v
- * loaded by KEY(j, v), reduced, rounded and stored at `out` */
+ * loaded by KEY(j, v, NV), reduced, rounded and stored at `out` */
 #define HEAD_SCORES(S, NV, KEY, out)                                                      \
     do {                                                                                  \
         __m512 a[16];                                                                     \
@@ -235,7 +235,8 @@ static inline __m512 reduce_add16x16(const __m512 *a) {
             a[j] = _mm512_setzero_ps();                                                   \
             if (j < n) {                                                                  \
                 _Pragma("GCC unroll 8")                                                   \
-                for (int v = 0; v < NV; ++v) a[j] = _mm512_fmadd_ps(q[v], KEY(j, v), a[j]); \
+                for (int v = 0; v < NV; ++v)                                              \
+                    a[j] = _mm512_fmadd_ps(q[v], KEY(j, v, NV), a[j]);                    \
             }                                                                             \
         }                                                                                 \
         _mm512_mask_storeu_ps(out, tail_mask(n), round16_##S(reduce_add16x16(a)));        \
@@ -258,7 +259,6 @@ static inline __m512 reduce_add16x16(const __m512 *a) {
         const int row_bytes = 16 * NV * (int)sizeof(T);                                   \
         /* a block's keys as fp32 (bf16 with G > 1), key j's vector v at (j NV + v) 16 */ \
         float wide[16 * 16 * NV];                                                         \
-        const int nv = NV;                                                                \
         const int widen = sizeof(T) != sizeof(float) && G > 1;                            \
         for (int64_t t0 = 0; t0 < L; t0 += 16) {                                          \
             int64_t n = L - t0 < 16 ? L - t0 : 16;                                        \
@@ -305,9 +305,10 @@ static inline __m512 reduce_add16x16(const __m512 *a) {
                     _mm512_storeu_ps(acc + ((g0 + h) * NV + v) * 16, a[h * NV + v]);      \
         }                                                                                 \
     }
-#define WIDE_KEY(j, v) _mm512_loadu_ps(wide + ((j) * nv + (v)) * 16)
-#define CACHED_KEY_f32(j, v) _mm512_loadu_ps(key[j] + 16 * (v))
-#define CACHED_KEY_bf16(j, v) load16_bf16(key[j] + 16 * (v))
+/* key j's vector v in ATTEND_NV: from its block's widened copy, or from the cache */
+#define WIDE_KEY(j, v, NV) _mm512_loadu_ps(wide + ((j) * (NV) + (v)) * 16)
+#define CACHED_KEY_f32(j, v, NV) _mm512_loadu_ps(key[j] + 16 * (v))
+#define CACHED_KEY_bf16(j, v, NV) load16_bf16(key[j] + 16 * (v))
 #define ATTEND_ALL(S, T)                                                                  \
     ATTEND_NV(S, T, 1)                                                                    \
     ATTEND_NV(S, T, 2)                                                                    \
