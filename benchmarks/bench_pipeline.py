@@ -198,25 +198,34 @@ class Services:
         drop_scratch(self.scratch)
 
 
+def _threads(pid: int):
+    """(name, /proc task directory, stat fields after the name) of each live thread of
+    process `pid`; nothing where /proc is missing."""
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return
+    for task in tasks:
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue  # the thread ended
+        yield (stat[stat.index("(") + 1:stat.rindex(")")], task,
+               stat[stat.rindex(")") + 2:].split())
+
+
 def thread_cpu(pid: int, totals: dict[str, float] | None = None) -> dict[str, float]:
     """CPU seconds so far of each named thread of process `pid` and of its child processes
     (the worker's database process) (Linux; the worker names its threads,
     workers/thread_names.py), summed by name; {} where /proc is missing."""
     ticks = os.sysconf("SC_CLK_TCK")
     totals = {} if totals is None else totals
-    try:
-        tasks = list(Path(f"/proc/{pid}/task").iterdir())
-    except OSError:
-        return totals
     children: list[int] = []
-    for task in tasks:
+    for name, task, fields in _threads(pid):
         try:
-            stat = (task / "stat").read_text()
             children += [int(c) for c in (task / "children").read_text().split()]
         except OSError:
             continue  # the thread ended
-        name = stat[stat.index("(") + 1:stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2:].split()
         totals[name] = totals.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
     for child in children:
         thread_cpu(child, totals)
@@ -224,6 +233,23 @@ def thread_cpu(pid: int, totals: dict[str, float] | None = None) -> dict[str, fl
 
 
 BATCHER_KEY = "worker's batcher thread"
+
+
+def thread_waits(pid: int, name: str) -> float:
+    """Seconds the threads of process `pid` named `name` have spent runnable but waiting
+    for a core (Linux: /proc/<pid>/task/<tid>/schedstat's second field, nanoseconds); 0.0
+    where it is missing. Beside the thread's CPU time it splits the wall time it did not
+    run into waiting for a core (the service's other processes on the same cores) and
+    asleep (for the GIL, for work, for I/O)."""
+    total = 0
+    for thread_name, task, _ in _threads(pid):
+        if thread_name != name:
+            continue
+        try:
+            total += int((task / "schedstat").read_text().split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # the thread ended, or no scheduler statistics here
+    return total / 1e9
 
 
 def cpu_snapshot(services: Services) -> dict[str, float]:
@@ -303,6 +329,7 @@ def run_pipeline(services: Services, args: argparse.Namespace) -> dict[str, Any]
 
     reader = SseReader(services.port)
     cpu_before = cpu_snapshot(services)
+    waits_before = thread_waits(services.worker.pid, "llmq-batcher")
     started = time.perf_counter()
     with ThreadPoolExecutor(max_workers=16) as pool:
         futures = [pool.submit(submit, p) for p in prompts(args.num_jobs, args.prompt_words)]
@@ -318,6 +345,7 @@ def run_pipeline(services: Services, args: argparse.Namespace) -> dict[str, Any]
                     raise RuntimeError(f"a submission failed: {future.exception()!r}")
     elapsed = time.perf_counter() - started
     cpu = {k: v - cpu_before[k] for k, v in cpu_snapshot(services).items()}
+    batcher_waits = thread_waits(services.worker.pid, "llmq-batcher") - waits_before
     if reader.errors:
         raise RuntimeError(f"{len(reader.errors)} jobs did not succeed: {reader.errors[0]}")
     latencies = sorted(reader.latencies)
@@ -332,6 +360,7 @@ def run_pipeline(services: Services, args: argparse.Namespace) -> dict[str, Any]
         "latency_ms_max": 1000 * (latencies[-1] if latencies else float("nan")),
         "num_token_events": len(latencies),
         "cpu_seconds": {k: round(v, 2) for k, v in cpu.items()},
+        "batcher_waiting_for_a_core_s": round(batcher_waits, 2),
     }
 
 
@@ -517,6 +546,8 @@ def main(argv: list[str] | None = None) -> int:
     lat = figures["latency_ms"]
     p = rounds[-1]["pipeline"]
     cpu = ", ".join(f"{k} {v:.2f}" for k, v in p["cpu_seconds"].items())
+    on_core = p["cpu_seconds"][BATCHER_KEY] / p["seconds"]
+    waiting = p["batcher_waiting_for_a_core_s"] / p["seconds"]
     rows = [
         ("workload", f"{args.num_jobs} jobs x {args.max_tokens} tokens, `{args.preset}` qwen3, "
                      f"{args.threads} torch thread(s), {args.rounds} rounds"),
@@ -535,8 +566,9 @@ def main(argv: list[str] | None = None) -> int:
          f"{submissions['jobs_per_s']:.0f} jobs/s"),
         ("CPU seconds, last round", f"{cpu}; offline engine "
                                     f"{rounds[-1]['offline']['cpu_seconds']:.2f}"),
-        ("the worker's batcher thread: CPU over the run's wall time (last round)",
-         f"{100 * p['cpu_seconds'][BATCHER_KEY] / p['seconds']:.0f}%"),
+        ("the worker's batcher thread over the run's wall time (last round): on a core; "
+         "runnable, waiting for one; the rest asleep (GIL, work, I/O)",
+         f"{100 * on_core:.0f}%; {100 * waiting:.0f}%; {100 * (1 - on_core - waiting):.0f}%"),
         ("machine", f"{os.cpu_count()} cores, 1-min load average {load:.1f} at the end"),
     ]
     print("\n| | |\n| --- | --- |\n" + "\n".join(f"| {k} | {v} |" for k, v in rows) + "\n")
