@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from kernels.cpu import describe
-from kernels.linear import can_prepack, describe_times
+from kernels.linear import describe_times, packs_dtype
 from tasks.params import SamplingParams
 from workers.engine.loader import load_checkpoint
 from workers.engine.model_runner import ModelRunner
@@ -174,7 +174,7 @@ def main() -> None:
     runner = benches["ours"].runner
     # (where this dtype's weights are never packed, bf16 on a CPU without bf16 dot
     # products, "prepacked" would run torch's linear under the wrong name)
-    packs = can_prepack(torch.empty(2, 2, dtype=runner.dtype))
+    packs = packs_dtype(runner.dtype)
     other = "reference" if runner.linear_path == "prepacked" or not packs else "prepacked"
     if not args.no_reference:
         benches[other] = make_bench(model_dir, args.dtype, other, *shape)

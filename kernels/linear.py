@@ -50,10 +50,14 @@ def can_prepack(weight: torch.Tensor) -> bool:
     every operand and loses to the native kernel at every row count and to `widened_linear`
     at large ones (AVX-512 without BF16, the 100m model's weights: 1 row 12.0 against 8.7 ms
     native, 64 rows 230 against 92 native and 102 widened); on AVX2 it cannot pack them."""
-    return (weight.device.type == "cpu" and weight.dtype in PACKABLE_DTYPES
-            and weight.dim() == 2 and torch.backends.mkldnn.is_available()
-            and not weight.is_mkldnn
-            and (weight.dtype != torch.bfloat16 or (onednn_packs_bf16() and has_native_bf16())))
+    return (weight.device.type == "cpu" and weight.dim() == 2 and not weight.is_mkldnn
+            and packs_dtype(weight.dtype))
+
+
+def packs_dtype(dtype: torch.dtype) -> bool:
+    """True when CPU weights of `dtype` take the prepacked path here (`can_prepack`)."""
+    return (dtype in PACKABLE_DTYPES and torch.backends.mkldnn.is_available()
+            and (dtype != torch.bfloat16 or (onednn_packs_bf16() and has_native_bf16())))
 
 
 @functools.cache
