@@ -42,7 +42,13 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench_pipeline import Services, load_offline_engine, prompts, thread_cpu  # noqa: E402
+from bench_pipeline import (  # noqa: E402
+    BATCHER_THREAD,
+    Services,
+    load_offline_engine,
+    prompts,
+    thread_cpu,
+)
 from bench_services import add_service_args  # noqa: E402
 
 from tasks.settings import Settings  # noqa: E402
@@ -289,7 +295,7 @@ def round_row(index: int, r: dict[str, Any]) -> str:
     """One round as a Markdown table row."""
     idle_ms, busy_ms, phases = r["idle_ttft_ms"], r["busy_ttft_ms"], r["phases"]
     busy, offline = r["busy"], r["offline"]
-    batcher = busy["worker_thread_cpu_seconds"].get("llmq-batcher")
+    batcher = busy["worker_thread_cpu_seconds"].get(BATCHER_THREAD)
     cpu = "n/a" if batcher is None else (
         f"{100 * batcher / busy['seconds']:.0f}%, "
         f"{1000 * batcher / (busy['tokens'] + busy['interactive_tokens']):.3f} / "

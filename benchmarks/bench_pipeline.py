@@ -49,6 +49,7 @@ from tasks.protocol import groups_key  # noqa: E402
 from tasks.redis_client import make_redis  # noqa: E402
 from tasks.settings import Settings  # noqa: E402
 from tests.pipeline_helpers import worker_env  # noqa: E402
+from workers.batcher import THREAD_NAME as BATCHER_THREAD  # noqa: E402
 
 WORKER_CLASSES = {"stream": "webapp.stream_worker.StreamWorker", "gthread": "gthread",
                   "gevent": "gevent"}
@@ -277,7 +278,7 @@ def cpu_snapshot(services: Services) -> dict[str, float]:
 
     redis_port = services.args.redis_url.rsplit(":", 1)[-1].split("/")[0]
     # the worker's batcher thread on its own: the engine's loop (workers/thread_names.py)
-    batcher = thread_cpu(services.worker.pid).get("llmq-batcher", 0.0)
+    batcher = thread_cpu(services.worker.pid).get(BATCHER_THREAD, 0.0)
     return {"worker": tree(services.worker.pid), BATCHER_KEY: batcher,
             "web": tree(services.web.pid),
             "client": sum(psutil.Process().cpu_times()[:2]),
@@ -329,7 +330,7 @@ def run_pipeline(services: Services, args: argparse.Namespace) -> dict[str, Any]
 
     reader = SseReader(services.port)
     cpu_before = cpu_snapshot(services)
-    waits_before = thread_waits(services.worker.pid, "llmq-batcher")
+    waits_before = thread_waits(services.worker.pid, BATCHER_THREAD)
     started = time.perf_counter()
     with ThreadPoolExecutor(max_workers=16) as pool:
         futures = [pool.submit(submit, p) for p in prompts(args.num_jobs, args.prompt_words)]
@@ -345,7 +346,7 @@ def run_pipeline(services: Services, args: argparse.Namespace) -> dict[str, Any]
                     raise RuntimeError(f"a submission failed: {future.exception()!r}")
     elapsed = time.perf_counter() - started
     cpu = {k: v - cpu_before[k] for k, v in cpu_snapshot(services).items()}
-    batcher_waits = thread_waits(services.worker.pid, "llmq-batcher") - waits_before
+    batcher_waits = thread_waits(services.worker.pid, BATCHER_THREAD) - waits_before
     if reader.errors:
         raise RuntimeError(f"{len(reader.errors)} jobs did not succeed: {reader.errors[0]}")
     latencies = sorted(reader.latencies)

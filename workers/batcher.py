@@ -60,6 +60,9 @@ from workers.step_publisher import StepPublisher
 from workers.thread_names import name_this_thread
 
 logger = logging.getLogger(__name__)
+# the engine loop's thread (its OS name too: workers/thread_names.py); benchmarks read
+# its CPU time by this name
+THREAD_NAME = "llmq-batcher"
 
 # a batch line's token events go out merged, this many tokens per event (its stream is
 # rarely read while it runs; workers/token_coalescer.py)
@@ -149,7 +152,7 @@ class Batcher:
         set_step_yield = getattr(engine, "set_step_yield", None)
         self.interrupts_steps = bool(set_step_yield is not None
                                      and set_step_yield(self._inbox.interactive_waiting))
-        self._thread = threading.Thread(target=self._run, name="llmq-batcher", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
 
     # -- other threads -------------------------------------------------------------------
 
