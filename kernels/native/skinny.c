@@ -95,70 +95,156 @@ static inline void prefetch_run(const void *start, int64_t bytes) {
 AVX512_BLOCK(block_f32_rows, float, _mm512_loadu_ps, _mm512_maskz_loadu_ps)
 #elif defined(SKINNY_AVX2)
 /* 8 lanes: two accumulators a row (16 weights an iteration) keep two FMAs in flight per
- * row; x's rows are fp32 (a bf16 x is widened once per call, see llmq_skinny_bf16) and
- * the weight row is fp32 or bf16, widened as it streams in */
-#define AVX2_BLOCK(name, WT, LOAD_W)                                                      \
-    static ALWAYS_INLINE void name(const float *x, const WT *w, float *out, int64_t K,    \
-                                   int64_t mr, int64_t ldx) {                             \
-        __m256 acc[MR][2];                                                                \
-        for (int64_t i = 0; i < mr; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();    \
-        int64_t k = 0;                                                                    \
-        for (; k + 16 <= K; k += 16) {                                                    \
-            __m256 a = LOAD_W(w + k), b = LOAD_W(w + k + 8);                              \
-            for (int64_t i = 0; i < mr; ++i) {                                            \
-                acc[i][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * ldx + k), a, acc[i][0]); \
-                acc[i][1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * ldx + k + 8), b,      \
-                                            acc[i][1]);                                   \
-            }                                                                             \
-        }                                                                                 \
-        for (; k + 8 <= K; k += 8) {                                                      \
-            __m256 a = LOAD_W(w + k);                                                     \
-            for (int64_t i = 0; i < mr; ++i)                                              \
-                acc[i][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * ldx + k), a, acc[i][0]); \
-        }                                                                                 \
-        for (int64_t i = 0; i < mr; ++i) {                                                \
-            float sum = reduce_add8(_mm256_add_ps(acc[i][0], acc[i][1]));                 \
-            for (int64_t j = k; j < K; ++j) sum += x[i * ldx + j] * WIDEN_##WT(w[j]);      \
-            out[i] = sum;                                                                 \
-        }                                                                                 \
+ * row; x's rows are fp32 */
+static ALWAYS_INLINE void block_f32_rows(const float *x, const float *w, float *out,
+                                         int64_t K, int64_t mr, int64_t ldx) {
+    __m256 acc[MR][2];
+    for (int64_t i = 0; i < mr; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m256 a = _mm256_loadu_ps(w + k), b = _mm256_loadu_ps(w + k + 8);
+        for (int64_t i = 0; i < mr; ++i) {
+            acc[i][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * ldx + k), a, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * ldx + k + 8), b, acc[i][1]);
+        }
     }
-#define WIDEN_float(v) (v)
-#define WIDEN_uint16_t(v) bf16_to_float(v)
-AVX2_BLOCK(block_f32_rows, float, _mm256_loadu_ps)
-AVX2_BLOCK(block_bf16f_rows, uint16_t, load8_bf16)
+    for (; k + 8 <= K; k += 8) {
+        __m256 a = _mm256_loadu_ps(w + k);
+        for (int64_t i = 0; i < mr; ++i)
+            acc[i][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * ldx + k), a, acc[i][0]);
+    }
+    for (int64_t i = 0; i < mr; ++i) {
+        float sum = reduce_add8(_mm256_add_ps(acc[i][0], acc[i][1]));
+        for (int64_t j = k; j < K; ++j) sum += x[i * ldx + j] * w[j];
+        out[i] = sum;
+    }
+}
+
+/* The one-row bf16 body on AVX2 prefetches 1 KiB ahead, not PREFETCH_BYTES: on Zen 3
+ * (AVX2 only) a decode step's bf16 weights streamed 8% faster so than with no prefetch
+ * or 16 KiB ahead (median of six alternated runs, docs/benchmarks.md); the same for the
+ * fp32 body moved less than the host's spread, so it has none. The tiles keep
+ * PREFETCH_BYTES: at two rows of x, 1 KiB ahead read fp32 a third slower. */
+#define PREFETCH_ROW_BYTES 1024
+
+/* A bf16 weight on AVX2, 16 elements from one 32-byte load: the 32-bit lane i holds
+ * elements 2i (low half) and 2i + 1 (high half), so a shift gives the even elements as
+ * fp32 and a mask the odd ones, where a zero-extend (a shuffle) and a shift per 8 would
+ * be needed otherwise. x is widened once per call with each whole block of 16 stored
+ * even elements first, then odd (widen_x_paired); a tail of K % 16 stays in order. */
+#define PAIRED 16
+static ALWAYS_INLINE void load_bf16_paired(const uint16_t *p, __m256 *even, __m256 *odd) {
+    __m256i v = _mm256_loadu_si256((const __m256i *)p);
+    *even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    *odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
+}
+
+/* x [M, K] in place: each whole block of PAIRED elements as its even elements, then
+ * its odd ones, the order load_bf16_paired gives a weight's */
+static void widen_x_paired(float *x, int64_t M, int64_t K) {
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t k = 0; k + PAIRED <= K; k += PAIRED) {
+            float *b = x + m * K + k, tmp[PAIRED];
+            for (int64_t i = 0; i < PAIRED / 2; ++i) {
+                tmp[i] = b[2 * i];
+                tmp[PAIRED / 2 + i] = b[2 * i + 1];
+            }
+            memcpy(b, tmp, sizeof tmp);
+        }
+}
+
+static ALWAYS_INLINE void block_bf16f_rows(const float *x, const uint16_t *w, float *out,
+                                           int64_t K, int64_t mr, int64_t ldx) {
+    __m256 acc[MR][4];
+    for (int64_t i = 0; i < mr; ++i)
+        for (int64_t j = 0; j < 4; ++j) acc[i][j] = _mm256_setzero_ps();
+    int64_t k = 0;
+    if (mr == 1) /* 32 weights (one cache line) an iteration, four sums in flight */
+        for (; k + 2 * PAIRED <= K; k += 2 * PAIRED) {
+            PREFETCH_LINE((const char *)(w + k) + PREFETCH_ROW_BYTES);
+            __m256 e0, o0, e1, o1;
+            load_bf16_paired(w + k, &e0, &o0);
+            load_bf16_paired(w + k + PAIRED, &e1, &o1);
+            acc[0][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), e0, acc[0][0]);
+            acc[0][1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), o0, acc[0][1]);
+            acc[0][2] = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 16), e1, acc[0][2]);
+            acc[0][3] = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 24), o1, acc[0][3]);
+        }
+    for (; k + PAIRED <= K; k += PAIRED) {
+        if (!(k & 31)) PREFETCH_LINE((const char *)(w + k) + PREFETCH_ROW_BYTES);
+        __m256 e, o;
+        load_bf16_paired(w + k, &e, &o);
+        for (int64_t i = 0; i < mr; ++i) {
+            acc[i][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * ldx + k), e, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * ldx + k + 8), o, acc[i][1]);
+        }
+    }
+    for (int64_t i = 0; i < mr; ++i) {
+        float sum = reduce_add8(_mm256_add_ps(_mm256_add_ps(acc[i][0], acc[i][1]),
+                                              _mm256_add_ps(acc[i][2], acc[i][3])));
+        for (int64_t j = k; j < K; ++j) sum += x[i * ldx + j] * bf16_to_float(w[j]);
+        out[i] = sum;
+    }
+}
 
 /* tiles of NR_AVX2 weight rows with `mr` rows of x (see tile_f32_rows): 16 registers hold
- * MR x 2 sums, the two weight vectors and an x vector */
+ * MR x 2 sums, the weight vectors and an x vector */
 #define NR_AVX2 2
-#define AVX2_TILE(name, WT, LOAD_W)                                                       \
-    static ALWAYS_INLINE void name(const float *x, const WT *w, float *out, int64_t K,    \
-                                   int64_t mr, int64_t ldx) {                             \
-        __m256 acc[MR][NR_AVX2];                                                          \
-        for (int64_t i = 0; i < mr; ++i)                                                  \
-            for (int64_t j = 0; j < NR_AVX2; ++j) acc[i][j] = _mm256_setzero_ps();        \
-        int64_t k = 0;                                                                    \
-        for (; k + 8 <= K; k += 8) {                                                      \
-            __m256 wv[NR_AVX2];                                                           \
-            for (int64_t j = 0; j < NR_AVX2; ++j) {                                       \
-                PREFETCH_LINE((const char *)(w + j * K + k) + PREFETCH_BYTES);            \
-                wv[j] = LOAD_W(w + j * K + k);                                            \
-            }                                                                             \
-            for (int64_t i = 0; i < mr; ++i) {                                            \
-                __m256 xv = _mm256_loadu_ps(x + i * ldx + k);                             \
-                for (int64_t j = 0; j < NR_AVX2; ++j)                                     \
-                    acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);                    \
-            }                                                                             \
-        }                                                                                 \
-        for (int64_t i = 0; i < mr; ++i)                                                  \
-            for (int64_t j = 0; j < NR_AVX2; ++j) {                                       \
-                float sum = reduce_add8(acc[i][j]);                                       \
-                for (int64_t t = k; t < K; ++t)                                           \
-                    sum += x[i * ldx + t] * WIDEN_##WT(w[j * K + t]);                     \
-                out[i * NR_AVX2 + j] = sum;                                               \
-            }                                                                             \
+static ALWAYS_INLINE void tile_f32_rows(const float *x, const float *w, float *out,
+                                        int64_t K, int64_t mr, int64_t ldx) {
+    __m256 acc[MR][NR_AVX2];
+    for (int64_t i = 0; i < mr; ++i)
+        for (int64_t j = 0; j < NR_AVX2; ++j) acc[i][j] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        __m256 wv[NR_AVX2];
+        for (int64_t j = 0; j < NR_AVX2; ++j) {
+            PREFETCH_LINE((const char *)(w + j * K + k) + PREFETCH_BYTES);
+            wv[j] = _mm256_loadu_ps(w + j * K + k);
+        }
+        for (int64_t i = 0; i < mr; ++i) {
+            __m256 xv = _mm256_loadu_ps(x + i * ldx + k);
+            for (int64_t j = 0; j < NR_AVX2; ++j)
+                acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+        }
     }
-AVX2_TILE(tile_f32_rows, float, _mm256_loadu_ps)
-AVX2_TILE(tile_bf16f_rows, uint16_t, load8_bf16)
+    for (int64_t i = 0; i < mr; ++i)
+        for (int64_t j = 0; j < NR_AVX2; ++j) {
+            float sum = reduce_add8(acc[i][j]);
+            for (int64_t t = k; t < K; ++t) sum += x[i * ldx + t] * w[j * K + t];
+            out[i * NR_AVX2 + j] = sum;
+        }
+}
+
+/* tile_f32_rows for a bf16 weight, 16 elements a row an iteration as even and odd
+ * vectors (load_bf16_paired), against x paired the same way: MR x 2 sums, four weight
+ * vectors, an x vector */
+static ALWAYS_INLINE void tile_bf16f_rows(const float *x, const uint16_t *w, float *out,
+                                          int64_t K, int64_t mr, int64_t ldx) {
+    __m256 acc[MR][NR_AVX2];
+    for (int64_t i = 0; i < mr; ++i)
+        for (int64_t j = 0; j < NR_AVX2; ++j) acc[i][j] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + PAIRED <= K; k += PAIRED) {
+        __m256 even[NR_AVX2], odd[NR_AVX2];
+        for (int64_t j = 0; j < NR_AVX2; ++j) {
+            if (!(k & 31)) PREFETCH_LINE((const char *)(w + j * K + k) + PREFETCH_BYTES);
+            load_bf16_paired(w + j * K + k, &even[j], &odd[j]);
+        }
+        for (int64_t i = 0; i < mr; ++i) {
+            __m256 xe = _mm256_loadu_ps(x + i * ldx + k);
+            __m256 xo = _mm256_loadu_ps(x + i * ldx + k + 8);
+            for (int64_t j = 0; j < NR_AVX2; ++j)
+                acc[i][j] = _mm256_fmadd_ps(xo, odd[j], _mm256_fmadd_ps(xe, even[j], acc[i][j]));
+        }
+    }
+    for (int64_t i = 0; i < mr; ++i)
+        for (int64_t j = 0; j < NR_AVX2; ++j) {
+            float sum = reduce_add8(acc[i][j]);
+            for (int64_t t = k; t < K; ++t) sum += x[i * ldx + t] * bf16_to_float(w[j * K + t]);
+            out[i * NR_AVX2 + j] = sum;
+        }
+}
 #define NR_WIDE NR_AVX2 /* weight rows per tile of tile_bf16f_rows */
 #else
 static ALWAYS_INLINE void block_f32_rows(const float *x, const float *w, float *out,
@@ -552,11 +638,15 @@ void llmq_skinny_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias
                       int threads) {
 #if defined(SKINNY_AVX2) || defined(SKINNY_WIDEN_X)
     /* no bf16 dot product (AVX2, or AVX-512 without BF16): x is widened to fp32 once here
-     * (M x K, a few KB), so the inner loop widens only the streamed weight */
+     * (M x K, a few KB), so the inner loop widens only the streamed weight; on AVX2 in
+     * the even / odd order of its bodies (widen_x_paired) */
     float *xf = malloc(sizeof(float) * (size_t)(M * K));
     if (xf) {
         for (int64_t m = 0; m < M; ++m)
             for (int64_t k = 0; k < K; ++k) xf[m * K + k] = bf16_to_float(x[m * ldx + k]);
+#if defined(SKINNY_AVX2)
+        widen_x_paired(xf, M, K);
+#endif
         if (M >= 2)
             SKINNY_LOOP(tile_bf16f, block_bf16f, NR_WIDE, xf, K, bf16_to_float, float_to_bf16);
         else
