@@ -121,10 +121,11 @@ static ALWAYS_INLINE void block_f32_rows(const float *x, const float *w, float *
 }
 
 /* The one-row bf16 body on AVX2 prefetches 1 KiB ahead, not PREFETCH_BYTES: on Zen 3
- * (AVX2 only) a decode step's bf16 weights streamed 8% faster so than with no prefetch
- * or 16 KiB ahead (median of seven alternated runs, docs/benchmarks.md); the same for the
- * fp32 body moved less than the host's spread, so it has none. The tiles keep
- * PREFETCH_BYTES: at two rows of x, 1 KiB ahead read fp32 a third slower. */
+ * (AVX2 only) it streamed a decode step's bf16 weights 8% faster than the body before
+ * it (median of seven alternated runs, docs/benchmarks.md), 1-6% without the prefetch
+ * and no better 2-16 KiB ahead; a prefetch in the fp32 body moved it less than the
+ * host's spread, so it has none. The tiles keep PREFETCH_BYTES: at two rows of x, 1 KiB
+ * ahead read fp32 a third slower. */
 #define PREFETCH_ROW_BYTES 1024
 
 /* A bf16 weight on AVX2, 16 elements from one 32-byte load: the 32-bit lane i holds
