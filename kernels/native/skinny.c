@@ -132,26 +132,12 @@ static ALWAYS_INLINE void block_f32_rows(const float *x, const float *w, float *
  * elements 2i (low half) and 2i + 1 (high half), so a shift gives the even elements as
  * fp32 and a mask the odd ones, where a zero-extend (a shuffle) and a shift per 8 would
  * be needed otherwise. x is widened once per call with each whole block of 16 stored
- * even elements first, then odd (widen_x_paired); a tail of K % 16 stays in order. */
+ * even elements first, then odd (widen_x); a tail of K % 16 stays in order. */
 #define PAIRED 16
 static ALWAYS_INLINE void load_bf16_paired(const uint16_t *p, __m256 *even, __m256 *odd) {
     __m256i v = _mm256_loadu_si256((const __m256i *)p);
     *even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
     *odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
-}
-
-/* x [M, K] in place: each whole block of PAIRED elements as its even elements, then
- * its odd ones, the order load_bf16_paired gives a weight's */
-static void widen_x_paired(float *x, int64_t M, int64_t K) {
-    for (int64_t m = 0; m < M; ++m)
-        for (int64_t k = 0; k + PAIRED <= K; k += PAIRED) {
-            float *b = x + m * K + k, tmp[PAIRED];
-            for (int64_t i = 0; i < PAIRED / 2; ++i) {
-                tmp[i] = b[2 * i];
-                tmp[PAIRED / 2 + i] = b[2 * i + 1];
-            }
-            memcpy(b, tmp, sizeof tmp);
-        }
 }
 
 static ALWAYS_INLINE void block_bf16f_rows(const float *x, const uint16_t *w, float *out,
@@ -617,6 +603,27 @@ static int skinny_bf16_amx(const uint16_t *x, const uint16_t *w, const uint16_t 
 }
 #endif
 
+#if defined(SKINNY_AVX2) || defined(SKINNY_WIDEN_X)
+/* x [M, K] (row stride ldx) widened to fp32 into xf [M, K]; on AVX2 each whole block of
+ * PAIRED elements as its even elements, then its odd ones: the order load_bf16_paired
+ * gives a weight's */
+static void widen_x(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, float *xf) {
+    for (int64_t m = 0; m < M; ++m) {
+        const uint16_t *row = x + m * ldx;
+        float *out = xf + m * K;
+        int64_t k = 0;
+#if defined(SKINNY_AVX2)
+        for (; k + PAIRED <= K; k += PAIRED)
+            for (int64_t i = 0; i < PAIRED / 2; ++i) {
+                out[k + i] = bf16_to_float(row[k + 2 * i]);
+                out[k + PAIRED / 2 + i] = bf16_to_float(row[k + 2 * i + 1]);
+            }
+#endif
+        for (; k < K; ++k) out[k] = bf16_to_float(row[k]);
+    }
+}
+#endif
+
 /* x [M, K] (row stride ldx), w [N, K] contiguous, bias [N] or NULL, y [M, N] contiguous */
 void llmq_skinny_f32(const float *x, const float *w, const float *bias, float *y, int64_t M,
                      int64_t N, int64_t K, int64_t ldx, int threads) {
@@ -639,15 +646,10 @@ void llmq_skinny_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias
                       int threads) {
 #if defined(SKINNY_AVX2) || defined(SKINNY_WIDEN_X)
     /* no bf16 dot product (AVX2, or AVX-512 without BF16): x is widened to fp32 once here
-     * (M x K, a few KB), so the inner loop widens only the streamed weight; on AVX2 in
-     * the even / odd order of its bodies (widen_x_paired) */
+     * (M x K, a few KB), so the inner loop widens only the streamed weight */
     float *xf = malloc(sizeof(float) * (size_t)(M * K));
     if (xf) {
-        for (int64_t m = 0; m < M; ++m)
-            for (int64_t k = 0; k < K; ++k) xf[m * K + k] = bf16_to_float(x[m * ldx + k]);
-#if defined(SKINNY_AVX2)
-        widen_x_paired(xf, M, K);
-#endif
+        widen_x(x, ldx, M, K, xf);
         if (M >= 2)
             SKINNY_LOOP(tile_bf16f, block_bf16f, NR_WIDE, xf, K, bf16_to_float, float_to_bf16);
         else
