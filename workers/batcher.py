@@ -260,7 +260,9 @@ class Batcher:
                 self._abort_everything(self._inbox.take().jobs)
                 break
             self._send_progress()
-            self._refresh_stats()
+            # NOTE: forced when the engine just went idle, so the idle figures (no KV blocks
+            # in use) are read at once rather than one stats interval later
+            self._refresh_stats(force=not self.engine.has_unfinished_requests())
         self.publisher.stop()
         logger.info("batcher stopped after %d steps", self._num_steps)
         if self.health.tripped is not None and self.on_unhealthy is not None:
