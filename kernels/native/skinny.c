@@ -32,6 +32,14 @@
 
 #define MR 4   /* x rows per pass over a block */
 #define NR 4   /* weight rows per tile (tile_*_rows) */
+/* x rows per pass over a tile: on AVX2 six, so a tile's 6 x 2 sums (12 registers) and its
+ * weight vectors fill the 16 registers and every sum waits two multiply-adds apart, not
+ * one: at 4 x 2 each sum's chain of multiply-adds, not the FMA units, set the pace */
+#if defined(SKINNY_AVX2)
+#define MR_TILE 6
+#else
+#define MR_TILE MR
+#endif
 
 /* Software prefetch ahead of the weight stream, into L2. One sequential stream per core
  * is bound by how many misses the core keeps in flight, not by the memory: on a Xeon
@@ -179,7 +187,7 @@ static ALWAYS_INLINE void block_bf16f_rows(const float *x, const uint16_t *w, fl
 #define NR_AVX2 2
 static ALWAYS_INLINE void tile_f32_rows(const float *x, const float *w, float *out,
                                         int64_t K, int64_t mr, int64_t ldx) {
-    __m256 acc[MR][NR_AVX2];
+    __m256 acc[MR_TILE][NR_AVX2];
     for (int64_t i = 0; i < mr; ++i)
         for (int64_t j = 0; j < NR_AVX2; ++j) acc[i][j] = _mm256_setzero_ps();
     int64_t k = 0;
@@ -208,7 +216,7 @@ static ALWAYS_INLINE void tile_f32_rows(const float *x, const float *w, float *o
  * vectors, an x vector */
 static ALWAYS_INLINE void tile_bf16f_rows(const float *x, const uint16_t *w, float *out,
                                           int64_t K, int64_t mr, int64_t ldx) {
-    __m256 acc[MR][NR_AVX2];
+    __m256 acc[MR_TILE][NR_AVX2];
     for (int64_t i = 0; i < mr; ++i)
         for (int64_t j = 0; j < NR_AVX2; ++j) acc[i][j] = _mm256_setzero_ps();
     int64_t k = 0;
@@ -393,27 +401,32 @@ AVX512_TILE(tile_bf16_rows, uint16_t, uint16_t, __m512bh, 32, load32_bf16, load3
 #endif
 
 /* x rows of type XT, a weight row of type WT */
-#define BY_ROW_COUNT(name, XT, WT)                                                        \
+/* name(...) calls name##_rows with mr as a constant, 1..MAXR (mr <= MAXR) */
+#define BY_ROW_COUNT_UPTO(name, XT, WT, MAXR)                                             \
     static void name(const XT *x, const WT *w, float *out, int64_t K, int64_t mr,         \
                      int64_t ldx) {                                                       \
         switch (mr) {                                                                     \
         case 1: name##_rows(x, w, out, K, 1, ldx); break;                                \
         case 2: name##_rows(x, w, out, K, 2, ldx); break;                                \
         case 3: name##_rows(x, w, out, K, 3, ldx); break;                                \
-        default: name##_rows(x, w, out, K, MR, ldx); break;                              \
+        case 4: name##_rows(x, w, out, K, 4 < (MAXR) ? 4 : (MAXR), ldx); break;          \
+        case 5: name##_rows(x, w, out, K, 5 < (MAXR) ? 5 : (MAXR), ldx); break;          \
+        default: name##_rows(x, w, out, K, MAXR, ldx); break;                            \
         }                                                                                 \
     }
+#define BY_ROW_COUNT(name, XT, WT) BY_ROW_COUNT_UPTO(name, XT, WT, MR)
+#define BY_TILE_ROW_COUNT(name, XT, WT) BY_ROW_COUNT_UPTO(name, XT, WT, MR_TILE)
 BY_ROW_COUNT(block_f32, float, float)
 BY_ROW_COUNT(block_bf16, uint16_t, uint16_t)
 #if defined(__AVX512F__) || defined(SKINNY_AVX2)
-BY_ROW_COUNT(tile_f32, float, float)
+BY_TILE_ROW_COUNT(tile_f32, float, float)
 #endif
 #if defined(__AVX512BF16__)
-BY_ROW_COUNT(tile_bf16, uint16_t, uint16_t)
+BY_TILE_ROW_COUNT(tile_bf16, uint16_t, uint16_t)
 #endif
 #if defined(SKINNY_AVX2) || defined(SKINNY_WIDEN_X)
 BY_ROW_COUNT(block_bf16f, float, uint16_t)
-BY_ROW_COUNT(tile_bf16f, float, uint16_t)
+BY_TILE_ROW_COUNT(tile_bf16f, float, uint16_t)
 #endif
 
 /* ---- entry points ------------------------------------------------------------------ */
@@ -422,28 +435,42 @@ BY_ROW_COUNT(tile_bf16f, float, uint16_t)
  * more than it saves. */
 #define SERIAL_ELEMENTS (1 << 16)
 
-/* weight rows [from, to) in groups of NB: BLOCK dots NB weight rows with up to MR rows of x
- * (row stride ldx) into part [mr][NB]; the sums, with the bias, go to y. TO_F32 / FROM_F32
- * convert one element of the output dtype. */
-#define WEIGHT_ROWS(BLOCK, NB, x, ldx, from, to, TO_F32, FROM_F32)                        \
-    for (int64_t n = (from); n + (NB) <= (to); n += (NB))                                 \
-        for (int64_t m = 0; m < M; m += MR) {                                             \
-            int64_t mr = M - m < MR ? M - m : MR;                                         \
-            float part[MR * (NB)];                                                        \
-            BLOCK((x) + m * (ldx), w + n * K, part, K, mr, ldx);                          \
-            for (int64_t i = 0; i < mr; ++i)                                              \
-                for (int64_t j = 0; j < (NB); ++j)                                        \
-                    y[(m + i) * N + n + j] =                                              \
-                        FROM_F32(part[i * (NB) + j] + (bias ? TO_F32(bias[n + j]) : 0.f)); \
-        }
+/* weight rows [from, to) in groups of NB: BLOCK dots NB weight rows with up to MRB rows of
+ * x (row stride ldx) into part [mr][NB]; the sums, with the bias, go to y. TO_F32 /
+ * FROM_F32 convert one element of the output dtype. The rows go in blocks of NBLK: a
+ * block's weight rows (48 KB of bf16 at K = 768) stay in L2 while every group of x rows
+ * passes over them, and a group's x rows stay in L1 while it passes; the groups split M
+ * evenly (8 rows: 4 and 4, not 6 and 2). With the six-row AVX2 tiles (Zen 3, the 100m
+ * model's weights, 2 threads): bf16 5-9% faster from 5 to 64 rows of x, fp32 16% at 12
+ * and 16 rows (docs/benchmarks.md). Measured on AVX2 only: other builds keep one block. */
+#if defined(SKINNY_AVX2)
+#define NBLK 32
+#else
+#define NBLK ((int64_t)1 << 40)
+#endif
+#define WEIGHT_ROWS(BLOCK, NB, MRB, x, ldx, from, to, TO_F32, FROM_F32)                   \
+    for (int64_t nb = (from), groups = (M + (MRB) - 1) / (MRB); nb < (to); nb += NBLK)    \
+        for (int64_t g = 0; g < groups; ++g)                                              \
+            for (int64_t n = nb, m = g * M / groups, mr = (g + 1) * M / groups - m;       \
+                 n + (NB) <= (to) && n < nb + NBLK; n += (NB)) {                          \
+                float part[(MRB) * (NB)];                                                 \
+                BLOCK((x) + m * (ldx), w + n * K, part, K, mr, ldx);                      \
+                for (int64_t i = 0; i < mr; ++i)                                          \
+                    for (int64_t j = 0; j < (NB); ++j)                                    \
+                        y[(m + i) * N + n + j] = FROM_F32(                                \
+                            part[i * (NB) + j] + (bias ? TO_F32(bias[n + j]) : 0.f));     \
+            }
 
-/* weight rows [from, to): tiles of NRT rows (TILE), then the rows left one at a time
- * (BLOCK) */
+/* weight rows [from, to): tiles of NRT rows (TILE, MR_TILE rows of x at a time), then the
+ * rows left one at a time (BLOCK, MR rows of x); NRT 1: BLOCK alone (TILE is BLOCK) */
 #define TILES_THEN_ROWS(TILE, BLOCK, NRT, x, ldx, from, to, TO_F32, FROM_F32)             \
     do {                                                                                  \
         int64_t tiled_end = (from) + ((to) - (from)) / (NRT) * (NRT);                     \
-        WEIGHT_ROWS(TILE, NRT, x, ldx, from, tiled_end, TO_F32, FROM_F32)                 \
-        WEIGHT_ROWS(BLOCK, 1, x, ldx, tiled_end, to, TO_F32, FROM_F32)                    \
+        if ((NRT) > 1)                                                                    \
+            WEIGHT_ROWS(TILE, NRT, MR_TILE, x, ldx, from, tiled_end, TO_F32, FROM_F32)    \
+        else                                                                              \
+            WEIGHT_ROWS(TILE, NRT, MR, x, ldx, from, tiled_end, TO_F32, FROM_F32)         \
+        WEIGHT_ROWS(BLOCK, 1, MR, x, ldx, tiled_end, to, TO_F32, FROM_F32)                \
     } while (0)
 
 /* the loop over output features, split between threads: each thread takes a contiguous
