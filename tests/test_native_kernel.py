@@ -27,12 +27,13 @@ def _built():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows, out_features, in_features", [
     (1, 7, 5), (2, 33, 31), (3, 64, 64), (4, 130, 96), (5, 100, 768), (9, 256, 200),
-    (1, 768, 2048), (18, 70, 64), (1, 9, 59)])
+    (1, 768, 2048), (18, 70, 64), (1, 9, 59), (7, 65, 40), (13, 97, 48), (64, 40, 32)])
 def test_the_kernel_equals_torch_linear_within_the_summation_order(dtype, rows, out_features,
                                                                    in_features):
-    """Every row count (4 x-rows per pass and the rest; on AMX, blocks of 16 and the rest),
-    feature counts that are and are not multiples of the vector width and of the tiles'
-    rows, with and without bias, and x rows with a stride wider than their length."""
+    """Every row count (4 x-rows a pass, 6 in the AVX2 tiles, split evenly; on AMX,
+    blocks of 16 and the rest), feature counts that are and are not multiples of the
+    vector width, of the tiles' rows and of the AVX2 blocks of 32 weight rows, with and
+    without bias, and x rows with a stride wider than their length."""
     gen = torch.Generator().manual_seed(rows * 1000 + in_features)
     wide = torch.randn(rows, in_features + 3, generator=gen).to(dtype)
     x = wide[:, :in_features]  # rows strided by in_features + 3
@@ -420,7 +421,8 @@ def test_the_builds_for_other_x86_cpus_equal_the_references(monkeypatch, march, 
         test_the_step_ops_equal_the_references(dtype)
         test_decode_attention_and_the_kv_store_equal_the_references(dtype)
         test_short_prompt_chunks_attended_as_decode_rows_equal_the_chunk_path(dtype)
-        for shape in ((1, 7, 5), (5, 100, 768), (9, 256, 200), (3, 33, 25), (1, 9, 59)):
+        for shape in ((1, 7, 5), (5, 100, 768), (9, 256, 200), (3, 33, 25), (1, 9, 59),
+                      (13, 97, 48)):
             test_the_kernel_equals_torch_linear_within_the_summation_order(dtype, *shape)
 
 
