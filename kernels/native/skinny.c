@@ -466,10 +466,8 @@ BY_TILE_ROW_COUNT(tile_bf16f, float, uint16_t)
 #define TILES_THEN_ROWS(TILE, BLOCK, NRT, x, ldx, from, to, TO_F32, FROM_F32)             \
     do {                                                                                  \
         int64_t tiled_end = (from) + ((to) - (from)) / (NRT) * (NRT);                     \
-        if ((NRT) > 1)                                                                    \
-            WEIGHT_ROWS(TILE, NRT, MR_TILE, x, ldx, from, tiled_end, TO_F32, FROM_F32)    \
-        else                                                                              \
-            WEIGHT_ROWS(TILE, NRT, MR, x, ldx, from, tiled_end, TO_F32, FROM_F32)         \
+        WEIGHT_ROWS(TILE, NRT, (NRT) > 1 ? MR_TILE : MR, x, ldx, from, tiled_end, TO_F32, \
+                    FROM_F32)                                                             \
         WEIGHT_ROWS(BLOCK, 1, MR, x, ldx, tiled_end, to, TO_F32, FROM_F32)                \
     } while (0)
 
