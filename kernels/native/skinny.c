@@ -442,17 +442,21 @@ BY_TILE_ROW_COUNT(tile_bf16f, float, uint16_t)
  * passes over them, and a group's x rows stay in L1 while it passes; the groups split M
  * evenly (8 rows: 4 and 4, not 6 and 2). With the six-row AVX2 tiles (Zen 3, the 100m
  * model's weights, 2 threads): bf16 5-9% faster from 5 to 64 rows of x, fp32 16% at 12
- * and 16 rows (docs/benchmarks.md). Measured on AVX2 only: other builds keep one block. */
+ * and 16 rows (docs/benchmarks.md). Other builds take a block of one tile: every group of
+ * x rows passes over a tile before the next (AVX-512 on a Xeon with AMX: blocks of 32 weight
+ * rows 1.03-1.09x the time of single tiles in fp32 from 8 rows, and one block of all the
+ * rows 1.46-1.65x, as every group then streams the weights from memory again). */
 #if defined(SKINNY_AVX2)
-#define NBLK 32
+#define NBLK(NB) 32
 #else
-#define NBLK ((int64_t)1 << 40)
+#define NBLK(NB) (NB)
 #endif
 #define WEIGHT_ROWS(BLOCK, NB, MRB, x, ldx, from, to, TO_F32, FROM_F32)                   \
-    for (int64_t nb = (from), groups = (M + (MRB) - 1) / (MRB); nb < (to); nb += NBLK)    \
+    for (int64_t nb = (from), groups = (M + (MRB) - 1) / (MRB); nb < (to);                \
+         nb += NBLK(NB))                                                                  \
         for (int64_t g = 0; g < groups; ++g)                                              \
             for (int64_t n = nb, m = g * M / groups, mr = (g + 1) * M / groups - m;       \
-                 n + (NB) <= (to) && n < nb + NBLK; n += (NB)) {                          \
+                 n + (NB) <= (to) && n < nb + NBLK(NB); n += (NB)) {                      \
                 float part[(MRB) * (NB)];                                                 \
                 BLOCK((x) + m * (ldx), w + n * K, part, K, mr, ldx);                      \
                 for (int64_t i = 0; i < mr; ++i)                                          \
