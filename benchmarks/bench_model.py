@@ -30,6 +30,7 @@ import torch
 from kernels.cpu import describe
 from kernels.linear import describe_times, packs_dtype
 from tasks.params import SamplingParams
+from workers.engine import huge_pages
 from workers.engine.loader import load_checkpoint
 from workers.engine.model_runner import ModelRunner
 from workers.engine.step_io import ScheduledSequence, SchedulerOutput
@@ -37,15 +38,26 @@ from workers.engine.step_io import ScheduledSequence, SchedulerOutput
 BLOCK_SIZE = 16
 
 
+def _buffers(numel: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """A tensor of ones in torch's own memory and, where the kernel gives them, one in
+    huge pages (the memory the engine keeps its weights in, workers/engine/huge_pages.py):
+    the bandwidths below count the faster, so the floor is the machine's best read rate."""
+    buffers = [torch.ones(numel, dtype=dtype)]
+    if huge_pages.available():
+        buffers.append(huge_pages.zeros((numel,), dtype).fill_(1))
+    return buffers
+
+
 def copy_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
     """Best bytes/s of `dst.copy_(src)` over a tensor far larger than the caches."""
-    src = torch.ones(num_bytes // 4)
-    dst = torch.empty_like(src)
     best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t)
+    numel = num_bytes // 4
+    for src, dst in zip(_buffers(numel, torch.float32), _buffers(numel, torch.float32)):
+        for _ in range(repeats):
+            t = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - t)
+        del src, dst
     return 2 * num_bytes / best
 
 
@@ -56,12 +68,12 @@ def read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
     by memory."""
     best = float("inf")
     for dtype in (torch.bfloat16, torch.float32):
-        src = torch.ones(num_bytes // dtype.itemsize, dtype=dtype)
-        for _ in range(repeats):
-            t = time.perf_counter()
-            src.sum()
-            best = min(best, time.perf_counter() - t)
-        del src
+        for src in _buffers(num_bytes // dtype.itemsize, dtype):
+            for _ in range(repeats):
+                t = time.perf_counter()
+                src.sum()
+                best = min(best, time.perf_counter() - t)
+            del src
     return num_bytes / best
 
 
@@ -209,6 +221,10 @@ def main() -> None:
           f"{runner.decoder_rows} rows" + (
               f" (ms per step timed at start-up, the plan's paths / with the decoder: "
               f"{weighed})" if weighed else ""))
+    print(f"weights in transparent huge pages: {runner.huge_page_bytes / 1e6:.0f} MB "
+          f"({huge_pages.SETTING_ENV}={huge_pages.setting()}, the kernel's mode "
+          f"{huge_pages.thp_mode() or 'unknown'}; the bandwidths below count the faster of "
+          f"torch's memory and huge pages)")
     print("read bandwidth " + ", ".join(f"{reads[t] / 1e9:.2f} GB/s on {t} thread(s)"
                                          for t in reads)
           + f"; copy bandwidth {bandwidth / 1e9:.2f} GB/s (read+write)")

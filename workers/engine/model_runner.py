@@ -18,6 +18,7 @@ import torch
 from kernels import linear as dense
 from kernels import native
 from kernels.attention import build_attention_metadata
+from workers.engine import huge_pages
 from workers.engine.loader import LoadedCheckpoint
 from workers.engine.models.layers import (
     LinearBase,
@@ -85,8 +86,11 @@ class ModelRunner:
                 f"kv_cache_bytes={kv_cache_bytes} holds no KV block of "
                 f"{self._bytes_per_block} bytes; raise the KV cache budget"
             )
-        self.kv_cache = torch.zeros((num_blocks, *self._block_shape), dtype=self.dtype,
-                                    device=self.device)
+        shape = (num_blocks, *self._block_shape)
+        # NOTE: on the CPU in huge pages where the kernel gives them (workers/engine/
+        # huge_pages.py): the decode attention streams each sequence's blocks
+        self.kv_cache = (huge_pages.zeros(shape, self.dtype) if self.device.type == "cpu"
+                         else torch.zeros(shape, dtype=self.dtype, device=self.device))
         self._sample: Callable | None = None
         # "prepacked" (oneDNN), "reference" (torch's linear), "split" (torch's linear up
         # to `plain_rows` rows, oneDNN above) or "native" (our kernel up to `skinny_rows`
@@ -96,11 +100,14 @@ class ModelRunner:
         self.plain_rows: int | None = None
         self.skinny_rows = 0
         self.linear_probe: dict[int, dict[str, float]] = {}
+        self.huge_page_bytes = 0  # weights moved into huge pages (CPU)
         if self.device.type == "cpu":
             path = linear_path_setting() if linear_path is None else check_linear_path(
                 linear_path)
             plan = self._probe_linear_path() if path == "auto" else fixed_plan(path)
             self._apply_linear_plan(plan)
+            # before the native decoder keeps the weights' addresses
+            self.huge_page_bytes = huge_pages.move_to_huge_pages(self.model)
         from kernels import dispatch
 
         self.step_kernels = "reference"
