@@ -292,6 +292,42 @@ def test_decode_attention_and_the_kv_store_equal_the_references(dtype):
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3, 5])
+def test_decode_attention_shares_uneven_contexts_between_threads(threads):
+    """The threads split the decodes by their keys, not by count: one long context among
+    short ones, more threads than some sequences' heads, a single decode. Every
+    (sequence, KV head) is computed once, whatever the split: the outputs equal the
+    reference's and the one-thread call's bit for bit."""
+    import random
+
+    from kernels import attention
+    from kernels.attention import build_attention_metadata
+
+    gen = torch.Generator().manual_seed(threads)
+    block_size = 4
+    cache = torch.randn(200, 2, 1, block_size, 2, 16, generator=gen)
+    free = list(range(200))
+    random.Random(threads).shuffle(free)
+    k_cache, v_cache = cache[:, 0, 0], cache[:, 1, 0]
+    for lengths in ((300, 3, 5, 1, 7, 2, 9), (1,), (17, 2), tuple(range(1, 30))):
+        spans = [(n - 1, 1, [free[(i * 37 + j) % 200] for j in range(-(-n // block_size))])
+                 for i, n in enumerate(lengths)]
+        q = torch.randn(len(lengths), 6, 16, generator=gen)
+        kv = torch.zeros(len(lengths), 2, 16)
+        meta = build_attention_metadata(cache, spans)
+        old = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            alone = native.paged_attention(q, kv, kv, k_cache, v_cache, meta)
+            torch.set_num_threads(threads)
+            shared = native.paged_attention(q, kv, kv, k_cache, v_cache, meta)
+        finally:
+            torch.set_num_threads(old)
+        want = attention.paged_attention(q, kv, kv, k_cache, v_cache, meta)
+        assert torch.equal(shared, alone), lengths
+        assert torch.allclose(shared, want, rtol=1e-5, atol=1e-6), lengths
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_attention_of_every_head_size_equals_the_avx2_build_bit_for_bit(
         monkeypatch, dtype):

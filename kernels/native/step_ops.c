@@ -16,6 +16,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <omp.h>
+
 #include "bf16.h"
 #include "ops.h"
 
@@ -575,6 +577,25 @@ SOFTMAX(bf16, ROUND_BF16)
 #define ROTARY_VECTOR(S)
 #endif
 
+/* The decode items (sequence, KV head) [first, last) of thread `tid` of `nt`: contiguous
+ * runs of about equal numbers of keys (an item's time is its keys), each item to the
+ * thread its middle key falls to. Equal numbers of items left one thread up to a tenth
+ * more keys than the other with the contexts of a mixed workload. */
+static void keys_share(const int64_t *lens, int64_t nd, int64_t kvh, int tid, int nt,
+                       int64_t *first, int64_t *last) {
+    int64_t total = 0;
+    for (int64_t i = 0; i < nd; ++i) total += (lens[i] + 1) * kvh;
+    int64_t lo = total * tid / nt, hi = total * (tid + 1) / nt, seen = 0;
+    *first = *last = nd * kvh;
+    for (int64_t item = 0; item < nd * kvh; ++item) {
+        int64_t cost = lens[item / kvh] + 1, middle = 2 * seen + cost;  /* twice the middle */
+        seen += cost;
+        if (*first == nd * kvh && middle >= 2 * lo) *first = item;
+        if (middle >= 2 * hi) { *last = item; break; }
+    }
+    if (*first > *last) *first = *last;
+}
+
 #define STEP_OPS(S, T, LOAD, STORE, ROUND, FP32)                                          \
     DOT(dot_##S, T, LOAD)                                                                 \
                                                                                           \
@@ -711,8 +732,10 @@ SOFTMAX(bf16, ROUND_BF16)
             if (!qs || !acc || !p || !rows) {                                             \
                 _Pragma("omp atomic write") failed = 1;                                   \
             } else {                                                                      \
-                _Pragma("omp for schedule(static)")                                       \
-                for (int64_t item = 0; item < work; ++item) {                             \
+                int64_t first, last;                                                      \
+                keys_share(lens, nd, KVH, omp_get_thread_num(), omp_get_num_threads(),    \
+                           &first, &last);                                                \
+                for (int64_t item = first; item < last; ++item) {                         \
                     int64_t i = item / KVH, hk = item % KVH, L = lens[i];                 \
                     const int64_t *table = tables + starts[i];                            \
                     for (int64_t g = 0; g < G; ++g)                                       \
