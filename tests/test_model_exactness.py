@@ -204,6 +204,25 @@ def test_prompt_logits_match_hf(case):
     assert (torch.cat(rows) - ref).abs().max().item() < 1e-4
 
 
+def test_a_long_prompt_step_runs_its_mlp_in_chunks_and_matches_hf(case):
+    """An fp32 prompt step of more than twice `MLP_CHUNK_ROWS` rows runs its MLP in
+    chunks (the last one short): its logits are HF's on the whole prompt."""
+    from workers.engine.models.llama import MLP_CHUNK_ROWS
+
+    loaded, _, _, hf = case
+    num_tokens = 2 * MLP_CHUNK_ROWS + 77
+    prompt = torch.randint(3, loaded.config.vocab_size, (num_tokens,),
+                           generator=torch.Generator().manual_seed(5)).tolist()
+    with torch.inference_mode():
+        ref = hf(torch.tensor([prompt])).logits[0].float()
+    runner = ModelRunner(loaded, block_size=BLOCK_SIZE, kv_cache_bytes=8 << 20)
+    driver = HandDriver(runner)
+    whole = driver.add(prompt)
+    logits = runner.forward_logits(SchedulerOutput([driver._schedule(whole)], num_tokens))
+    assert logits.shape == ref.shape
+    assert (logits - ref).abs().max().item() < 1e-4
+
+
 def test_blocks_moved_through_bytes_keep_decoding_exact(case):
     loaded, prompts, refs, _ = case
     runner = _runner(loaded)

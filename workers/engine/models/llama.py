@@ -102,6 +102,14 @@ class LlamaAttention(nn.Module):
         return self.o_proj(o)
 
 
+# An fp32 prompt step's MLP on the CPU runs in chunks of this many rows: the gated
+# activation's input (rows x 2 x intermediate size: 32 MB at 2,048 rows of the 100m model)
+# then stays in the caches between the two products. 2,048 rows, 100m shapes, oneDNN
+# prepacked, Xeon with AMX, 2 threads: 69.2 -> 61.5-61.9 ms at 256-512 rows a chunk, the
+# same bits. Not in bf16: AMX's products lose more on smaller calls (10.3 -> 13.3 ms).
+MLP_CHUNK_ROWS = 512
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, tp_size: int = 1, tp_rank: int = 0) -> None:
         super().__init__()
@@ -115,7 +123,12 @@ class LlamaMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+        rows = x.shape[0]
+        if (rows <= 2 * MLP_CHUNK_ROWS or x.dtype != torch.float32 or not x.is_cpu
+                or self.down_proj.tp_size != 1):
+            return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+        return torch.cat([self.down_proj(kernels.silu_and_mul(self.gate_up_proj(
+            x[start:start + MLP_CHUNK_ROWS]))) for start in range(0, rows, MLP_CHUNK_ROWS)])
 
 
 class LlamaDecoderLayer(nn.Module):
