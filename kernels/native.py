@@ -106,7 +106,7 @@ class _Library:
         for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
             fn = getattr(lib, f"llmq_decode_layers_{suffix}")
             fn.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ctypes.c_int, ptr, ptr, i64, ptr, ptr,
-                           ptr, ptr, ptr, ptr, ctypes.c_int]
+                           ptr, ptr, ptr, ptr, ptr, i64, ctypes.c_int]
             fn.restype = ctypes.c_int
             self.decode_layers[dtype] = fn
         lib.llmq_decode_scratch.argtypes = [ptr, i64]
@@ -434,9 +434,12 @@ class NativeDecoder:
         self._cache_ptr = kv_cache.data_ptr()
 
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 meta) -> tuple[torch.Tensor, torch.Tensor]:
+                 meta, stop: StopFlag | None = None,
+                 stop_before: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [rows, hidden_size] (the embeddings) -> (hidden, residual) after the
-        last layer, as the layer loop returns them. cos, sin [rows, head_dim / 2]."""
+        last layer, as the layer loop returns them. cos, sin [rows, head_dim / 2].
+        `stop`: read before each of the first `stop_before` layers; once set (by any
+        thread), the call gives the step up and raises `DecoderStopped`."""
         self._bind_cache(meta.kv_cache)
         rows = hidden.shape[0]
         hidden = hidden.clone(memory_format=torch.contiguous_format)
@@ -454,10 +457,42 @@ class NativeDecoder:
                            sin.data_ptr(), cos.stride(0), meta.slot_blocks.data_ptr(),
                            meta.slot_offsets.data_ptr(), decodes.all_tables.data_ptr(),
                            starts.data_ptr(), lens.data_ptr(), self._scratch.data_ptr(),
+                           None if stop is None else stop.address, stop_before,
                            torch.get_num_threads())
+        if failed > 0:
+            raise DecoderStopped(failed - 1)
         if failed:
             raise MemoryError("decode attention could not allocate its scratch buffers")
         return hidden, residual
+
+
+class StopFlag:
+    """An int in memory the native decoder reads between layers without the GIL: `set()`
+    from any thread asks a running decoder call to give its step up; `clear()` before
+    the next."""
+
+    __slots__ = ("_value", "address")
+
+    def __init__(self) -> None:
+        self._value = ctypes.c_int32(0)
+        self.address = ctypes.addressof(self._value)
+
+    def set(self) -> None:
+        self._value.value = 1
+
+    def clear(self) -> None:
+        self._value.value = 0
+
+    def is_set(self) -> bool:
+        return bool(self._value.value)
+
+
+class DecoderStopped(Exception):
+    """A `NativeDecoder` call gave its step up before layer `layer` (its `StopFlag`)."""
+
+    def __init__(self, layer: int) -> None:
+        super().__init__(f"stopped before layer {layer}")
+        self.layer = layer
 
 
 # prompt chunks of at most this many tokens go to the decode kernel, one row per query

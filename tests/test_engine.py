@@ -356,3 +356,45 @@ def test_steps_with_foreground_work_never_stop(tiny_qwen3_dir: Path) -> None:
     while plain.has_unfinished_requests():
         plain.step()
     assert plain.num_interrupted_steps == 0
+
+
+def test_a_native_decoder_step_stops_on_its_flag_and_changes_no_tokens(
+        tiny_qwen3_dir: Path, monkeypatch) -> None:
+    """With the native decoder taking the decode steps (one C call for every layer), a
+    background-only step reads the engine's stop flag between layers without the GIL:
+    set (here before the step, with `should_yield` still False, so only the C loop can
+    see it), the step stops and runs again in full; no token changes."""
+    from kernels import native
+
+    if not native.available():
+        pytest.skip("no C compiler here: the native decoder cannot be built")
+    monkeypatch.setenv("LLMQ_LINEAR_PATH", "native")
+    monkeypatch.setenv("LLMQ_CPU_KERNELS", "native")
+    engine = make_engine(tiny_qwen3_dir, background_priority=100)
+    assert engine.runner.decoder_rows > 0
+    assert engine.set_step_yield(lambda: False)
+    flag = engine.step_stop_flag
+    assert flag is not None and not flag.is_set()
+    params = SamplingParams(max_tokens=10, temperature=0.0)
+    engine.add_request("bg", [5, 6, 7, 8, 9], params, 100)
+    tokens: list[int] = []
+    steps = 0
+    while engine.has_unfinished_requests():
+        if steps % 2:
+            flag.set()
+        tokens += [t for delta in engine.step() for t in delta.new_token_ids]
+        flag.clear()
+        steps += 1
+    # every set flag after the prompt stopped a decoder step (never two steps in a row)
+    assert engine.num_interrupted_steps >= 3
+    ref, _, _ = run_all(make_engine(tiny_qwen3_dir), {0: [("bg", [5, 6, 7, 8, 9], params)]})
+    assert tokens == ref["bg"][0]
+    # a foreground step never reads the flag
+    engine.add_request("fg", [5, 6, 7, 8, 9], params)
+    stopped = engine.num_interrupted_steps
+    flag.set()
+    fg: list[int] = []
+    while engine.has_unfinished_requests():
+        fg += [t for delta in engine.step() for t in delta.new_token_ids]
+    flag.clear()
+    assert engine.num_interrupted_steps == stopped and fg == ref["bg"][0]

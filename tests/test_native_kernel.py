@@ -535,7 +535,8 @@ def test_the_runner_gives_the_native_decoder_the_row_counts_where_whole_steps_ru
     from workers.engine.models.layers import LinearBase
 
     monkeypatch.setenv("LLMQ_CPU_KERNELS", "native")
-    for decoder_wins_to, rows in ((4, 4), (0, 0)):
+    # the decoder's own row counts past the linear probe's (32, 64) are weighed too
+    for decoder_wins_to, rows in ((4, 4), (0, 0), (32, 32), (64, 64)):
         runner = ModelRunner(load_checkpoint(tiny_qwen3_tied_dir, dtype="float32"),
                              kv_cache_bytes=1 << 20, linear_path="split")
         assert runner.decoder_rows == 0 and runner.decoder_probe == {}  # fixed: no timing
@@ -553,7 +554,9 @@ def test_the_runner_gives_the_native_decoder_the_row_counts_where_whole_steps_ru
 
         monkeypatch.setattr(runner, "forward_logits", timed)
         runner._weigh_native_decoder(runner.model.use_native_decoder)
-        assert list(runner.decoder_probe) == ([1, 2, 4, 8] if rows else [1])
+        probed = [1, 2, 4, 8, 16, 32, 64]
+        assert list(runner.decoder_probe) == (probed[:probed.index(rows) + 2] if rows
+                                              else [1])
         assert runner.decoder_rows == runner.skinny_rows == rows
         assert (runner.model.model.native_decoder is not None) == bool(rows)
         assert all(layer.skinny_rows == rows and layer.plain_rows == max(1, rows)
@@ -580,3 +583,32 @@ def test_a_model_without_the_native_decoder_keeps_the_plans_native_rows(
     assert runner.skinny_rows == NATIVE_ROWS and runner.decoder_rows == 0
     assert all(layer.skinny_rows == NATIVE_ROWS for layer in layers)
     assert runner.decoder_probe == {}
+
+
+def test_the_native_decoder_gives_its_step_up_when_its_stop_flag_is_set(tiny_qwen3_dir):
+    """`NativeDecoder(..., stop, stop_before)`: a set flag stops the call before the first
+    layer it reads it at (DecoderStopped), `stop_before` 0 never reads it, and a clear
+    flag changes nothing: the same outputs as a call without one."""
+    from kernels.attention import build_attention_metadata
+    from workers.engine.loader import load_checkpoint
+    from workers.engine.model_runner import ModelRunner
+
+    runner = ModelRunner(load_checkpoint(tiny_qwen3_dir, dtype="float32"),
+                         kv_cache_bytes=1 << 20, linear_path="native")
+    model = runner.model.model
+    assert runner.model.use_native_decoder(4) == 4
+    decoder = model.native_decoder
+    spans = [(3, 1, [0]), (5, 1, [1])]
+    meta = build_attention_metadata(runner.kv_cache, spans)
+    hidden = model.embed_tokens(torch.tensor([7, 9]))
+    cos, sin = model.rotary_emb(torch.tensor([3, 5]), hidden.dtype)
+    want = decoder(hidden, cos, sin, meta)
+    flag = native.StopFlag()
+    got = decoder(hidden, cos, sin, meta, flag, runner.loaded.config.num_layers)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    flag.set()
+    with pytest.raises(native.DecoderStopped) as stopped:
+        decoder(hidden, cos, sin, meta, flag, runner.loaded.config.num_layers)
+    assert stopped.value.layer == 0
+    got = decoder(hidden, cos, sin, meta, flag, 0)  # reads it before no layer
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

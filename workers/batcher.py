@@ -152,6 +152,8 @@ class Batcher:
         set_step_yield = getattr(engine, "set_step_yield", None)
         self.interrupts_steps = bool(set_step_yield is not None
                                      and set_step_yield(self._inbox.interactive_waiting))
+        if self.interrupts_steps:  # the native decoder's steps stop between layers too
+            self._inbox.stop_flag = getattr(engine, "step_stop_flag", None)
         self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
 
     # -- other threads -------------------------------------------------------------------

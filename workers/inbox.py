@@ -27,6 +27,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 from tasks.api.batches import is_batch_priority
 from workers.admitted import AdmittedJob
@@ -34,6 +35,14 @@ from workers.cancel_requests import CancelRequests
 
 # batch lines admitted beyond the capacity (they wait in the engine for a seat): 1/4
 BATCH_LOOKAHEAD_DIVISOR = 4
+
+
+class StopFlagLike(Protocol):
+    """`kernels.native.StopFlag`: set on an interactive admission, cleared on a take."""
+
+    def set(self) -> None: ...
+
+    def clear(self) -> None: ...
 
 
 @dataclass(slots=True)
@@ -69,6 +78,9 @@ class JobInbox:
         # an interactive job was admitted since the last take (read without the lock, by
         # the engine between layers: `interactive_waiting`)
         self._interactive_admitted = False
+        # set and cleared with it: a flag the native decoder reads between layers without
+        # the GIL (kernels.native.StopFlag; the batcher gives it, None: none)
+        self.stop_flag: StopFlagLike | None = None
         self._admitting = True
         self._stopping = False
 
@@ -109,6 +121,8 @@ class JobInbox:
             self._jobs.append(job)
             if not batch:
                 self._interactive_admitted = True
+                if self.stop_flag is not None:
+                    self.stop_flag.set()
             self._cv.notify_all()
         return True
 
@@ -192,6 +206,8 @@ class JobInbox:
         """Take every admitted job and new cancel request (without waiting)."""
         with self._cv:
             self._interactive_admitted = False
+            if self.stop_flag is not None:
+                self.stop_flag.clear()
             jobs, self._jobs = self._jobs, []
             cancels = self._cancels.take_new()
             self._cancels.prune(time.monotonic())

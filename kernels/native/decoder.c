@@ -50,8 +50,11 @@ int64_t llmq_decode_scratch(const struct llmq_decoder *d, int64_t rows) {
  * last layer's output and residual its residual stream, as the Python loop leaves them.
  * cos, sin [rows, head_dim / 2], rows `cos_stride` apart; slot_blocks / slot_offsets:
  * where each row's K and V go; tables / starts / lens: each row's blocks and context
- * length, as `llmq_decode_attention_*` takes them. Returns 0, or -1 when attention could
- * not allocate its scratch. */
+ * length, as `llmq_decode_attention_*` takes them. `stop` (NULL: never): before each layer
+ * l < stop_before the call reads *stop and, when another thread has set it, returns 1 + l
+ * at once (the step is given up: its outputs and the KV rows already written are
+ * rewritten when it runs again). Returns 0, or -1 when attention could not allocate its
+ * scratch. */
 #define DECODE_LAYERS(S, T)                                                               \
     int llmq_decode_layers_##S(const struct llmq_decoder *d, const struct llmq_layer *layers, \
                                int64_t num_layers, int64_t rows, T *hidden, T *residual,  \
@@ -59,6 +62,7 @@ int64_t llmq_decode_scratch(const struct llmq_decoder *d, int64_t rows) {
                                int64_t cos_stride, const int64_t *slot_blocks,            \
                                const int64_t *slot_offsets, const int64_t *tables,        \
                                const int64_t *starts, const int64_t *lens, T *scratch,    \
+                               const volatile int32_t *stop, int64_t stop_before,         \
                                int threads) {                                             \
         const int64_t H = d->hidden, D = d->head_dim, I = d->intermediate;                \
         const int64_t q_size = d->heads * D, kv_size = d->kv_heads * D;                  \
@@ -69,6 +73,7 @@ int64_t llmq_decode_scratch(const struct llmq_decoder *d, int64_t rows) {
         T *out = attn + rows * q_size, *gate_up = out + rows * H;                         \
         T *act = gate_up + rows * 2 * I;                                                  \
         for (int64_t l = 0; l < num_layers; ++l) {                                        \
+            if (stop && l < stop_before && *stop) return 1 + (int)l;                      \
             const struct llmq_layer *L = layers + l;                                      \
             if (l == 0 && !residual_given) {                                              \
                 memcpy(residual, hidden, sizeof(T) * rows * H);                           \

@@ -24,6 +24,7 @@ from workers.engine.sequence import Sequence, SequenceStatus
 from workers.engine.step_io import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
+    from kernels.native import StopFlag
     from workers.engine.kv_connector import KVConnector
     from workers.engine.structured import StructuredOutputManager
 
@@ -110,6 +111,7 @@ class Engine:
         self._step_yield: Callable[[], bool] | None = None
         self._yield_before = 0  # a step may stop before layers 0 .. this - 1
         self._yield_armed = False  # this step may stop
+        self._stop_flag: StopFlag | None = None  # read by the native decoder
         self._stopped_last_step = False
 
     def set_step_yield(self, should_yield: Callable[[], bool] | None,
@@ -126,25 +128,46 @@ class Engine:
         stops come at most once per foreground arrival into an idle foreground band,
         however busy that band gets. The step after a stopped one never stops, so steps
         always progress. Returns False when the runner cannot stop a step (tensor
-        parallelism, a runner without a layer loop); then nothing changes."""
+        parallelism, a runner without a layer loop); then nothing changes.
+
+        `step_stop_flag` (a `kernels.native.StopFlag`, once this returned True): the
+        caller sets it whenever `should_yield()` turns True and clears it when that turns
+        False (the service: the inbox, as it admits and hands over an interactive job).
+        The native decoder, which runs a step's layers in one C call, reads it between
+        layers without the GIL; left unset, a decoder step stops only before it starts."""
         setter = getattr(self.runner, "set_yield_check", None)
         if should_yield is None:
             self._step_yield = None
             if setter is not None:
                 setter(None)
             return True
-        num_layers = setter(self._should_stop) if setter is not None else 0
+        from kernels.native import StopFlag
+
+        stop_flag = self._stop_flag or StopFlag()
+        num_layers = setter(self._should_stop, self._decoder_stop) if setter is not None else 0
         if num_layers <= 0:
             return False
         self._step_yield = should_yield
         self._yield_before = before_layers if before_layers is not None else num_layers
+        self._stop_flag = stop_flag
         return True
+
+    @property
+    def step_stop_flag(self) -> StopFlag | None:
+        """The flag the native decoder reads between layers (`set_step_yield`)."""
+        return self._stop_flag
 
     def _should_stop(self, layer_index: int) -> bool:
         """The model asks before each layer (the batcher thread, inside the forward)."""
         should_yield = self._step_yield
         return (self._yield_armed and layer_index < self._yield_before
                 and should_yield is not None and should_yield())
+
+    def _decoder_stop(self) -> tuple[StopFlag, int] | None:
+        """The flag and the layers before which the native decoder may stop this step."""
+        if not self._yield_armed or self._stop_flag is None:
+            return None
+        return self._stop_flag, self._yield_before
 
     def _may_stop(self, scheduler_output: SchedulerOutput) -> bool:
         """Whether this step may stop between layers: background sequences only (a

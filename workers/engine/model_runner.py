@@ -38,6 +38,10 @@ NATIVE_ROWS = 4
 # a decode step slower than this at start-up (a large model) is timed in fewer rounds when
 # the native decoder is weighed
 SLOW_STEP_SECONDS = 0.25
+# whole decode steps of these many rows are weighed too, past the linear probe's row counts:
+# where a step's Python between the calls is most of it (the `small` preset in bf16, 64
+# rows: 3.36 -> 2.28 ms on a Xeon with AMX), the decoder wins beyond 16 rows
+DECODER_PROBE_ROWS = (32, 64)
 
 
 class ModelRunner:
@@ -157,7 +161,8 @@ class ModelRunner:
     def _weigh_native_decoder(self, use_decoder: Callable[[int], int],
                               rounds: int = 5) -> None:
         """Decide how many rows the native decoder takes by timing whole decode steps:
-        for each probed row count above those the plan already gives the native kernel,
+        for each probed row count above those the plan already gives the native kernel
+        (the linear probe's, then `DECODER_PROBE_ROWS`),
         a step on the current paths against one on the native kernel with the decoder,
         alternating (medians). The decoder takes each row count where it is faster, up to
         the first where it is not; the native kernel takes the same rows.
@@ -191,7 +196,8 @@ class ModelRunner:
             return
         params = SamplingParams(temperature=0.0, max_tokens=1)
         started = time.perf_counter()
-        for rows in sorted(m for m in self.linear_probe if m > accepted):
+        for rows in sorted(m for m in {*self.linear_probe, *DECODER_PROBE_ROWS}
+                           if m > accepted):
             if rows > min(self.max_num_seqs, self.num_blocks):
                 break
             # one new token per sequence, each in its own block: a step of decode rows
@@ -288,15 +294,19 @@ class ModelRunner:
         return ModelRunnerOutput(seq_ids=[s.seq_id for s in seqs],
                                  sampled_token_ids=token_ids, logprobs=logprobs)
 
-    def set_yield_check(self, check: Callable[[int], bool] | None) -> int:
+    def set_yield_check(self, check: Callable[[int], bool] | None,
+                        decoder_stop: Callable[[], tuple[native.StopFlag, int] | None]
+                        | None = None) -> int:
         """Ask `check(layer_index)` before each layer of the layer loop (None: never);
         True stops the step there (`workers.engine.errors.StepInterrupted`). Returns the
         number of layers, or 0 when this runner cannot stop a step: the ranks of a
-        tensor-parallel group run each layer's collectives together, so none stops alone."""
+        tensor-parallel group run each layer's collectives together, so none stops alone.
+        `decoder_stop` (`LlamaForCausalLM.set_yield_check`): the flag the native decoder
+        reads between layers."""
         setter = getattr(self.model, "set_yield_check", None)
         if self.loaded.tp_size > 1 or setter is None:
             return 0
-        setter(check)
+        setter(check, decoder_stop)
         return self.loaded.config.num_layers
 
     def execute_shard(self, out: SchedulerOutput) -> None:

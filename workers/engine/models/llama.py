@@ -167,6 +167,8 @@ class LlamaModel(nn.Module):
     native_decoder: native.NativeDecoder | None = None
     # asked before each layer of the layer loop: True stops the step (set_yield_check)
     yield_check: Callable[[int], bool] | None = None
+    # this step's (flag, layers) the native decoder reads between layers, or None
+    decoder_stop: Callable[[], tuple[native.StopFlag, int] | None] | None = None
 
     def use_native_decoder(self, max_rows: int) -> int:
         """Run decode steps of up to `max_rows` rows as one native call over all layers
@@ -215,7 +217,15 @@ class LlamaModel(nn.Module):
         cos, sin = self.rotary_emb(positions, hidden.dtype)
         decoder = self.native_decoder
         if decoder is not None and decoder.takes(hidden, meta):
-            hidden, residual = decoder(hidden, cos, sin, meta)
+            check = self.yield_check
+            if check is not None and check(0):
+                raise StepInterrupted(f"stopped before layer 0 of {len(self.layers)}")
+            stop = self.decoder_stop() if self.decoder_stop is not None else None
+            try:
+                hidden, residual = decoder(hidden, cos, sin, meta, *(stop or ()))
+            except native.DecoderStopped as exc:
+                raise StepInterrupted(
+                    f"stopped before layer {exc.layer} of {len(self.layers)}") from None
         else:
             residual = None
             check = self.yield_check
@@ -254,11 +264,15 @@ class LlamaForCausalLM(nn.Module):
         """See `LlamaModel.use_native_decoder`."""
         return self.model.use_native_decoder(max_rows)
 
-    def set_yield_check(self, check: Callable[[int], bool] | None) -> None:
+    def set_yield_check(self, check: Callable[[int], bool] | None,
+                        decoder_stop: Callable[[], tuple[native.StopFlag, int] | None]
+                        | None = None) -> None:
         """`check(layer_index)` before each layer of the next forwards (None: never); True
-        stops the step there with `StepInterrupted` (the native decoder's whole-step call
-        is never stopped)."""
+        stops the step there with `StepInterrupted`. The native decoder's whole-step call
+        asks `check(0)` before it starts, and reads the flag `decoder_stop()` returns for
+        the step (None: none) before each of its first layers, without the GIL."""
         self.model.yield_check = check
+        self.model.decoder_stop = decoder_stop
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] -> float32 logits [n, vocab_size]."""
