@@ -21,6 +21,7 @@ import argparse
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -38,21 +39,24 @@ from workers.engine.step_io import ScheduledSequence, SchedulerOutput
 BLOCK_SIZE = 16
 
 
-def _buffers(numel: int, dtype: torch.dtype) -> list[torch.Tensor]:
-    """A tensor of ones in torch's own memory and, where the kernel gives them, one in
-    huge pages (the memory the engine keeps its weights in, workers/engine/huge_pages.py):
-    the bandwidths below count the faster, so the floor is the machine's best read rate."""
-    buffers = [torch.ones(numel, dtype=dtype)]
+def _allocators() -> list[Callable[[int, torch.dtype], torch.Tensor]]:
+    """Ways to make a tensor of ones: torch's own memory and, where the kernel gives them,
+    huge pages (the memory the engine keeps its weights in, workers/engine/huge_pages.py).
+    The bandwidths below count the faster, so the floor is the machine's best read rate;
+    each makes its buffers only while it is timed."""
+    makers: list[Callable[[int, torch.dtype], torch.Tensor]] = [
+        lambda numel, dtype: torch.ones(numel, dtype=dtype)]
     if huge_pages.available():
-        buffers.append(huge_pages.zeros((numel,), dtype).fill_(1))
-    return buffers
+        makers.append(lambda numel, dtype: huge_pages.zeros((numel,), dtype).fill_(1))
+    return makers
 
 
 def copy_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
     """Best bytes/s of `dst.copy_(src)` over a tensor far larger than the caches."""
     best = float("inf")
     numel = num_bytes // 4
-    for src, dst in zip(_buffers(numel, torch.float32), _buffers(numel, torch.float32)):
+    for make in _allocators():
+        src, dst = make(numel, torch.float32), make(numel, torch.float32)
         for _ in range(repeats):
             t = time.perf_counter()
             dst.copy_(src)
@@ -68,7 +72,8 @@ def read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
     by memory."""
     best = float("inf")
     for dtype in (torch.bfloat16, torch.float32):
-        for src in _buffers(num_bytes // dtype.itemsize, dtype):
+        for make in _allocators():
+            src = make(num_bytes // dtype.itemsize, dtype)
             for _ in range(repeats):
                 t = time.perf_counter()
                 src.sum()
