@@ -226,6 +226,10 @@ def main() -> None:
           f"{runner.decoder_rows} rows" + (
               f" (ms per step timed at start-up, the plan's paths / with the decoder: "
               f"{weighed})" if weighed else ""))
+    if runner.row_prefetch_probe:
+        print(f"native kernel's one-row stream prefetches {runner.row_prefetch} bytes ahead "
+              f"(ms per one-row pass timed at start-up, by distance: " + ", ".join(
+                  f"{n} {t * 1e3:.2f}" for n, t in runner.row_prefetch_probe.items()) + ")")
     print(f"weights in transparent huge pages: {runner.huge_page_bytes / 1e6:.0f} MB "
           f"({huge_pages.SETTING_ENV}={huge_pages.setting()}, the kernel's mode "
           f"{huge_pages.thp_mode() or 'unknown'}; the bandwidths below count the faster of "

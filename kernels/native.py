@@ -25,8 +25,10 @@ import functools
 import hashlib
 import logging
 import os
+import statistics
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -81,6 +83,9 @@ class _Library:
             fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
             fn.restype = None
         lib.llmq_skinny_isa.restype = ctypes.c_char_p
+        lib.llmq_skinny_set_row_prefetch.argtypes = [i64]
+        lib.llmq_skinny_set_row_prefetch.restype = None
+        self.set_row_prefetch = lib.llmq_skinny_set_row_prefetch
         self.by_dtype = {torch.float32: lib.llmq_skinny_f32,
                          torch.bfloat16: lib.llmq_skinny_bf16}
         flt = ctypes.c_float
@@ -181,6 +186,50 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor,
                               rows, weight.shape[0], features, x.stride(0),
                               torch.get_num_threads())
     return out
+
+
+# How far ahead (bytes) the one-row bodies of the AVX-512 builds may prefetch the weight
+# stream, first the build's default: the start-up timing (`time_row_prefetch`) keeps the
+# fastest. AVX2 builds keep their own fixed distances (measured on Zen 3), so there is
+# nothing to choose.
+ROW_PREFETCH_CHOICES = (16384, 2048, 0)
+
+
+def row_prefetch_tunable() -> bool:
+    """True when this CPU's build takes `set_row_prefetch` (its AVX-512 paths)."""
+    return isa() in ("amx_bf16", "avx512_bf16", "avx512f")
+
+
+def set_row_prefetch(num_bytes: int) -> None:
+    """How far ahead the one-row bodies prefetch, for every later call in this process."""
+    library = _library()
+    if library is None:
+        raise RuntimeError("the native CPU kernel is unavailable")
+    if num_bytes < 0:
+        raise ValueError(f"a prefetch distance is >= 0 bytes, not {num_bytes}")
+    library.set_row_prefetch(num_bytes)
+
+
+def time_row_prefetch(weights: list[torch.Tensor], choices: tuple[int, ...] = ROW_PREFETCH_CHOICES,
+                      rounds: int = 7) -> dict[int, float]:
+    """Per prefetch distance, the median seconds of a one-row pass over `weights` on the
+    native kernel (the choices take turns round by round, in a rotating order; the first
+    round warms up). Leaves the distance at the first choice; the caller sets the one it
+    keeps."""
+    times: dict[int, list[float]] = {choice: [] for choice in choices}
+    with torch.inference_mode():
+        xs = [torch.randn(1, w.shape[1], dtype=w.dtype) for w in weights]
+        for round_ in range(rounds + 1):
+            shift = round_ % len(choices)
+            for choice in choices[shift:] + choices[:shift]:
+                set_row_prefetch(choice)
+                start = time.perf_counter()
+                for x, w in zip(xs, weights):
+                    skinny_linear(x, w)
+                if round_:
+                    times[choice].append(time.perf_counter() - start)
+    set_row_prefetch(choices[0])
+    return {choice: statistics.median(ts) for choice, ts in times.items()}
 
 
 # ---- the small operations of a step (native/step_ops.c) ---------------------------------

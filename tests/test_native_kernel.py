@@ -163,6 +163,51 @@ def test_the_runner_times_three_paths_and_applies_the_plan(tiny_qwen3_tied_dir, 
                for layer in layers)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_row_prefetch_distance_changes_no_bits(dtype):
+    """The one-row bodies read the same elements in the same order whatever they ask the
+    memory for ahead; a negative distance is refused."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(1, 768, generator=gen).to(dtype)
+    weight = torch.randn(1000, 768, generator=gen).to(dtype)
+    outputs = []
+    try:
+        for distance in (*native.ROW_PREFETCH_CHOICES, 64):
+            native.set_row_prefetch(distance)
+            outputs.append(native.skinny_linear(x, weight))
+    finally:
+        native.set_row_prefetch(native.ROW_PREFETCH_CHOICES[0])
+    assert all(torch.equal(out, outputs[0]) for out in outputs[1:])
+    with pytest.raises(ValueError, match="-1"):
+        native.set_row_prefetch(-1)
+    times = native.time_row_prefetch([weight], rounds=2)
+    assert set(times) == set(native.ROW_PREFETCH_CHOICES) and all(t > 0 for t in times.values())
+
+
+def test_the_runner_keeps_the_fastest_row_prefetch_where_the_build_takes_one(
+        tiny_qwen3_tied_dir, monkeypatch):
+    from workers.engine.loader import load_checkpoint
+    from workers.engine.model_runner import ModelRunner
+
+    monkeypatch.setenv("LLMQ_LINEAR_PATH", "auto")
+    try:
+        runner = ModelRunner(load_checkpoint(tiny_qwen3_tied_dir, dtype="float32"),
+                             kv_cache_bytes=1 << 20)
+        if native.row_prefetch_tunable():
+            times = runner.row_prefetch_probe
+            assert set(times) == set(native.ROW_PREFETCH_CHOICES)
+            assert runner.row_prefetch == min(times, key=times.get)
+        else:  # an AVX2 or plain build keeps its fixed distances: nothing was timed
+            assert runner.row_prefetch_probe == {} and runner.row_prefetch is None
+        # a fixed path times nothing
+        monkeypatch.setenv("LLMQ_LINEAR_PATH", "native")
+        fixed = ModelRunner(load_checkpoint(tiny_qwen3_tied_dir, dtype="float32"),
+                            kv_cache_bytes=1 << 20)
+        assert fixed.row_prefetch_probe == {} and fixed.row_prefetch is None
+    finally:
+        native.set_row_prefetch(native.ROW_PREFETCH_CHOICES[0])
+
+
 def test_without_a_compiler_the_native_path_falls_back_to_prepacked(tmp_path,
                                                                     tiny_qwen3_tied_dir):
     """A machine with no C compiler: the build fails, the reason is logged, `native` asked

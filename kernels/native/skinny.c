@@ -44,14 +44,24 @@
 /* Software prefetch ahead of the weight stream, into L2. One sequential stream per core
  * is bound by how many misses the core keeps in flight, not by the memory: on a Xeon
  * with AMX a 2-thread read ran at 29 GB/s plain and 36-38 GB/s prefetching 4-16 KiB
- * ahead (docs/benchmarks.md). */
+ * ahead (docs/benchmarks.md). The tiles (four weight rows side by side) prefetch
+ * PREFETCH_BYTES ahead; the one-row bodies on AVX-512 `row_prefetch` bytes ahead, which
+ * the engine picks at start-up by timing (llmq_skinny_set_row_prefetch): the same
+ * 16 KiB that helps the Xeon made the one-row stream of Zen 4 a quarter slower than
+ * 2 KiB or none (bf16 on one thread 18.9 against 25.4 GB/s). */
 #define PREFETCH_BYTES 16384
 #define PREFETCH_LINE(p) __builtin_prefetch((p), 0, 2)
+static int64_t row_prefetch = PREFETCH_BYTES;
 #define PREFETCH_AHEAD(p)                                                                 \
     do {                                                                                  \
-        PREFETCH_LINE((const char *)(p) + PREFETCH_BYTES);                                \
-        PREFETCH_LINE((const char *)(p) + PREFETCH_BYTES + 64);                           \
+        const char *ahead_ = (const char *)(p) + row_prefetch;                            \
+        PREFETCH_LINE(ahead_);                                                            \
+        PREFETCH_LINE(ahead_ + 64);                                                       \
     } while (0)
+
+/* how far ahead the one-row bodies prefetch from now on (bytes, >= 0); set between
+ * calls, not during one */
+void llmq_skinny_set_row_prefetch(int64_t bytes) { row_prefetch = bytes < 0 ? 0 : bytes; }
 
 /* the first PREFETCH_BYTES of a run of `bytes`, asked for together */
 static inline void prefetch_run(const void *start, int64_t bytes) {

@@ -105,6 +105,10 @@ class ModelRunner:
         self.skinny_rows = 0
         self.linear_probe: dict[int, dict[str, float]] = {}
         self.huge_page_bytes = 0  # weights moved into huge pages (CPU)
+        # per prefetch distance of the native kernel's one-row stream (bytes), the seconds
+        # of a one-row pass timed at start-up, when they were; and the distance kept
+        self.row_prefetch_probe: dict[int, float] = {}
+        self.row_prefetch: int | None = None
         if self.device.type == "cpu":
             path = linear_path_setting() if linear_path is None else check_linear_path(
                 linear_path)
@@ -112,6 +116,8 @@ class ModelRunner:
             self._apply_linear_plan(plan)
             # before the native decoder keeps the weights' addresses
             self.huge_page_bytes = huge_pages.move_to_huge_pages(self.model)
+            if path == "auto" and native.row_prefetch_tunable():
+                self._choose_row_prefetch()
         from kernels import dispatch
 
         self.step_kernels = "reference"
@@ -157,6 +163,23 @@ class ModelRunner:
                     "(ms per pass): %s", self.device, self.dtype, torch.get_num_threads(),
                     len(weights), probe_seconds, dense.describe_times(times))
         return plan
+
+    def _choose_row_prefetch(self) -> None:
+        """Time the native kernel's one-row pass over the model's weights (where they now
+        live: huge pages change how far ahead a prefetch pays) at each prefetch distance,
+        and keep the fastest for the process. Zen 4: no software prefetch or 2 KiB
+        ahead read 20% faster on one thread than the 16 KiB a Xeon with AMX wants."""
+        weights = probe_weights(self.model, beside_packed=True)
+        if not weights or not all(native.supports(w) for w in weights):
+            return
+        started = time.perf_counter()
+        self.row_prefetch_probe = times = native.time_row_prefetch(weights)
+        self.row_prefetch = min(times, key=times.get)
+        native.set_row_prefetch(self.row_prefetch)
+        logger.info("one-row passes with the native kernel prefetching N bytes ahead (ms, "
+                    "in %.1f s): %s; keeping %d", time.perf_counter() - started,
+                    ", ".join(f"{n} {t * 1e3:.2f}" for n, t in times.items()),
+                    self.row_prefetch)
 
     def _weigh_native_decoder(self, use_decoder: Callable[[int], int],
                               rounds: int = 5) -> None:

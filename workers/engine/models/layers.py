@@ -281,10 +281,12 @@ def prepack_linears(model: nn.Module, plain_rows: int | None = None) -> int:
 PROBE_MAX_BYTES = 512 << 20
 
 
-def probe_weights(model: nn.Module, max_bytes: int = PROBE_MAX_BYTES) -> list[torch.Tensor]:
+def probe_weights(model: nn.Module, max_bytes: int = PROBE_MAX_BYTES, *,
+                  beside_packed: bool = False) -> list[torch.Tensor]:
     """The plain projection weights a start-up timing of the linear paths runs over: every
     layer's in model order (the LM head included) up to `max_bytes`, and at least one of
-    each distinct shape. Empty once the weights are prepacked.
+    each distinct shape. Empty once the weights are prepacked, unless `beside_packed`:
+    then also the plain weights a split plan keeps beside their packed copies.
 
     NOTE: a pass must stream weights as a decode step does. One weight per shape stays in
     the cache from round to round and misjudges the row counts that read memory: on a
@@ -294,8 +296,8 @@ def probe_weights(model: nn.Module, max_bytes: int = PROBE_MAX_BYTES) -> list[to
     shapes: set[tuple[int, ...]] = set()
     total = 0
     for module in model.modules():
-        if not isinstance(module, LinearBase | ParallelLMHead) or module.packed_weight is not None \
-                or module.weight.is_mkldnn:
+        if not isinstance(module, LinearBase | ParallelLMHead) or module.weight.is_mkldnn \
+                or (module.packed_weight is not None and not beside_packed):
             continue
         weight = module.weight
         size = weight.numel() * weight.element_size()
