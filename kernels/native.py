@@ -211,7 +211,7 @@ def set_row_prefetch(num_bytes: int) -> None:
 
 
 def time_row_prefetch(weights: list[torch.Tensor], choices: tuple[int, ...] = ROW_PREFETCH_CHOICES,
-                      rounds: int = 7) -> dict[int, float]:
+                      rounds: int = 11) -> dict[int, float]:
     """Per prefetch distance, the median seconds of a one-row pass over `weights` on the
     native kernel (the choices take turns round by round, in a rotating order; the first
     round warms up). Leaves the distance at the first choice; the caller sets the one it
