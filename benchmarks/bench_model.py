@@ -8,6 +8,9 @@ Measured in one run, beside the CPU description (model, ISA flags, threads, vers
    per second), the convention of earlier figures; for the linear path the runner picks
    at start-up ("ours") and another one (oneDNN prepacked weights, or torch's reference
    `linear` when ours is prepacked or the dtype is never packed here), alternated, medians;
+   and each run of ours beside the floor of a read probe taken just before it (a VM's
+   bandwidth can change from minute to minute: two vCPUs on two cores read at 51-60
+   GB/s, the same two as hyperthreads of one core at 34-36, docs/benchmarks.md);
 2. output tokens/s at batch 1, 16 and 64 (same prompt length, same number of new tokens,
    EOS ignored) beside Hugging Face `generate` on the same prompts, same dtype.
 
@@ -80,6 +83,12 @@ def read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
                 best = min(best, time.perf_counter() - t)
             del src
     return num_bytes / best
+
+
+def read_bandwidth_on(threads: int) -> float:
+    """`read_bandwidth` on this many torch threads (left set)."""
+    torch.set_num_threads(threads)
+    return read_bandwidth()
 
 
 def step_weight_bytes(model: torch.nn.Module, tied: bool) -> int:
@@ -206,8 +215,7 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     reads = {}
     for threads in sorted({args.threads, 1}):
-        torch.set_num_threads(threads)
-        reads[threads] = read_bandwidth()
+        reads[threads] = read_bandwidth_on(threads)
     torch.set_num_threads(args.threads)
     read = max(reads.values())
     weight_bytes = step_weight_bytes(loaded.model, config.tie_word_embeddings)
@@ -248,14 +256,30 @@ def main() -> None:
         step_times: dict[str, list[float]] = {name: [] for name in benches}
         # NOTE: alternate the paths run by run: on a shared machine a single run measures
         # the neighbours as much as the code
+        # (floor ms, ours' median ms/step) per run, the floor from a read probe just before
+        minute_floors: list[tuple[float, float]] = []
         for _ in range(args.repeats):
+            if threads == args.threads:
+                probe = max(read_bandwidth_on(t) for t in sorted({threads, 1}))
+                torch.set_num_threads(threads)
+                first = len(step_times["ours"])
             for name, bench in benches.items():
                 bench.generate(all_prompts[:1], args.new_tokens, step_times[name])
+            if threads == args.threads:
+                minute_floors.append((weight_bytes / probe * 1e3,
+                                      median(step_times["ours"][first:]) * 1e3))
         for name, times in step_times.items():
             med, best = median(times) * 1e3, min(times) * 1e3
             print(f"batch-1 decode, {threads} thread(s), {name}: median {med:.1f} ms/step "
                   f"({med / floor_ms:.2f}x the floor; {med / copy_floor_ms:.2f}x the copy "
                   f"floor), best {best:.1f} ms/step ({best / floor_ms:.2f}x)", flush=True)
+        if minute_floors:
+            ratios = [step / floor for floor, step in minute_floors]
+            print("  the same minute's floor (a read probe just before each run; this "
+                  "machine's bandwidth can change between minutes): ours " + ", ".join(
+                      f"{step:.1f} ms against {floor:.1f} ({step / floor:.2f}x)"
+                      for floor, step in minute_floors)
+                  + f"; median {median(ratios):.2f}x", flush=True)
         if other in step_times:
             print(f"  ours ({runner.linear_path}) / {other} median: "
                   f"{median(step_times['ours']) / median(step_times[other]):.2f}")

@@ -8,7 +8,7 @@ import json
 import os
 import subprocess
 import sys
-import time
+import types
 
 import pytest
 import torch
@@ -575,6 +575,7 @@ def test_the_runner_gives_the_native_decoder_the_row_counts_where_whole_steps_ru
     paths and with the native decoder; it takes the row counts where it is faster, up to
     the first where it is not, the native kernel the same rows (a split's plain weight
     reaching them), and the steps' KV writes are cleared."""
+    from workers.engine import model_runner
     from workers.engine.loader import load_checkpoint
     from workers.engine.model_runner import ModelRunner
     from workers.engine.models.layers import LinearBase
@@ -590,14 +591,22 @@ def test_the_runner_gives_the_native_decoder_the_row_counts_where_whole_steps_ru
         runner.linear_probe = {m: {"reference": 1.0, "prepacked": 1.0, "native": 1.0}
                                for m in dense.PROBE_BATCH_SIZES}
 
-        def timed(step, runner=runner, forward=runner.forward_logits, wins_to=decoder_wins_to):
+        # NOTE: a clock of our own that each step moves by what it should cost: with
+        # sleeps on the real clock, a stalled host made a losing step win
+        clock = [0.0]
+
+        def timed(step, runner=runner, forward=runner.forward_logits, wins_to=decoder_wins_to,
+                  clock=clock):
             decoder = runner.model.model.native_decoder
             rows = len(step.scheduled)
             on_decoder = decoder is not None and rows <= decoder.max_rows
-            time.sleep(0.002 if on_decoder == (rows <= wins_to) else 0.02)
-            return forward(step)
+            logits = forward(step)
+            clock[0] += 0.002 if on_decoder == (rows <= wins_to) else 0.02
+            return logits
 
         monkeypatch.setattr(runner, "forward_logits", timed)
+        monkeypatch.setattr(model_runner, "time",
+                            types.SimpleNamespace(perf_counter=lambda clock=clock: clock[0]))
         runner._weigh_native_decoder(runner.model.use_native_decoder)
         probed = [1, 2, 4, 8, 16, 32, 64]
         assert list(runner.decoder_probe) == (probed[:probed.index(rows) + 2] if rows
