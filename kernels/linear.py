@@ -12,8 +12,6 @@ layers swap it in after loading, on the device it runs on.
 from __future__ import annotations
 
 import functools
-import statistics
-import time
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +19,7 @@ import torch.nn.functional as F
 
 from kernels import native
 from kernels.cpu import has_native_bf16
+from kernels.timing import alternated_medians
 
 # dtypes oneDNN's prepacked linear takes on CPU (fp16 has no fast x86 path)
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
@@ -127,21 +126,17 @@ def time_paths(weights: list[torch.Tensor], batch_sizes: tuple[int, ...] | None 
         calls["prepacked"] = [(prepack(w), 0) for w in weights]
     if all(native.supports(w) for w in weights):
         calls["native"] = [(w, max(batch_sizes)) for w in weights]
-    names = list(calls)
     result: dict[int, dict[str, float]] = {}
     with torch.inference_mode():
         for m in batch_sizes:
             xs = [torch.randn(m, w.shape[1], dtype=w.dtype, device=w.device) for w in weights]
-            times: dict[str, list[float]] = {name: [] for name in names}
-            for round_ in range(rounds + 1):
-                shift = round_ % len(names)
-                for name in names[shift:] + names[:shift]:
-                    start = time.perf_counter()
-                    for x, (w, skinny_rows) in zip(xs, calls[name]):
-                        linear(x, w, skinny_rows=skinny_rows)
-                    if round_:  # the first round warms every path up
-                        times[name].append(time.perf_counter() - start)
-            result[m] = {name: statistics.median(times[name]) for name in names}
+
+            def run(path: list[tuple[torch.Tensor, int]], xs=xs) -> None:
+                for x, (w, skinny_rows) in zip(xs, path):
+                    linear(x, w, skinny_rows=skinny_rows)
+
+            result[m] = alternated_medians(
+                {name: functools.partial(run, path) for name, path in calls.items()}, rounds)
     return result
 
 

@@ -25,15 +25,14 @@ import functools
 import hashlib
 import logging
 import os
-import statistics
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 from kernels.cpu import cpu_description_key
+from kernels.timing import alternated_medians
 
 logger = logging.getLogger(__name__)
 
@@ -213,23 +212,19 @@ def set_row_prefetch(num_bytes: int) -> None:
 def time_row_prefetch(weights: list[torch.Tensor], choices: tuple[int, ...] = ROW_PREFETCH_CHOICES,
                       rounds: int = 11) -> dict[int, float]:
     """Per prefetch distance, the median seconds of a one-row pass over `weights` on the
-    native kernel (the choices take turns round by round, in a rotating order; the first
-    round warms up). Leaves the distance at the first choice; the caller sets the one it
-    keeps."""
-    times: dict[int, list[float]] = {choice: [] for choice in choices}
+    native kernel (the choices alternated, `timing.alternated_medians`). Leaves the
+    distance at the first choice; the caller sets the one it keeps."""
     with torch.inference_mode():
         xs = [torch.randn(1, w.shape[1], dtype=w.dtype) for w in weights]
-        for round_ in range(rounds + 1):
-            shift = round_ % len(choices)
-            for choice in choices[shift:] + choices[:shift]:
-                set_row_prefetch(choice)
-                start = time.perf_counter()
-                for x, w in zip(xs, weights):
-                    skinny_linear(x, w)
-                if round_:
-                    times[choice].append(time.perf_counter() - start)
+
+        def one_row_pass() -> None:
+            for x, w in zip(xs, weights):
+                skinny_linear(x, w)
+
+        times = alternated_medians({choice: one_row_pass for choice in choices}, rounds,
+                                   prepare=set_row_prefetch)
     set_row_prefetch(choices[0])
-    return {choice: statistics.median(ts) for choice, ts in times.items()}
+    return times
 
 
 # ---- the small operations of a step (native/step_ops.c) ---------------------------------

@@ -106,9 +106,8 @@ class ModelRunner:
         self.linear_probe: dict[int, dict[str, float]] = {}
         self.huge_page_bytes = 0  # weights moved into huge pages (CPU)
         # per prefetch distance of the native kernel's one-row stream (bytes), the seconds
-        # of a one-row pass timed at start-up, when they were; and the distance kept
+        # of a one-row pass timed at start-up, when they were (the fastest is kept)
         self.row_prefetch_probe: dict[int, float] = {}
-        self.row_prefetch: int | None = None
         if self.device.type == "cpu":
             path = linear_path_setting() if linear_path is None else check_linear_path(
                 linear_path)
@@ -174,12 +173,17 @@ class ModelRunner:
             return
         started = time.perf_counter()
         self.row_prefetch_probe = times = native.time_row_prefetch(weights)
-        self.row_prefetch = min(times, key=times.get)
         native.set_row_prefetch(self.row_prefetch)
         logger.info("one-row passes with the native kernel prefetching N bytes ahead (ms, "
                     "in %.1f s): %s; keeping %d", time.perf_counter() - started,
                     ", ".join(f"{n} {t * 1e3:.2f}" for n, t in times.items()),
                     self.row_prefetch)
+
+    @property
+    def row_prefetch(self) -> int | None:
+        """The prefetch distance the start-up timing kept (None: nothing was timed)."""
+        times = self.row_prefetch_probe
+        return min(times, key=times.get) if times else None
 
     def _weigh_native_decoder(self, use_decoder: Callable[[int], int],
                               rounds: int = 5) -> None:
