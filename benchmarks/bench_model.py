@@ -225,9 +225,12 @@ def main() -> None:
     print(f"model: {config.arch} {num_params / 1e6:.1f}M params, {config.dtype}; "
           f"prompt {args.prompt_len}, {args.new_tokens} new tokens")
     probe = describe_times(runner.linear_probe)
+    plain = ("" if runner.plain_rows is None
+             else f", plain weights up to {runner.plain_rows} rows")
+    panels = f" on fp32 panels ({runner.panel_weights} weights)" if runner.panel_weights else ""
     print(f"linear path chosen at start-up: {runner.linear_path}, native kernel up to "
-          f"{runner.skinny_rows} rows, plain weights up to {runner.plain_rows} rows (ms per "
-          f"pass over the model's weights: {probe or 'not measured'})")
+          f"{runner.skinny_rows} rows{panels}{plain} (ms per pass over the model's weights: "
+          f"{probe or 'not measured'})")
     weighed = ", ".join(f"{rows} rows {t['plan'] * 1e3:.2f} / {t['decoder'] * 1e3:.2f}"
                         for rows, t in runner.decoder_probe.items())
     print(f"native decoder (every layer in one call): decode steps of up to "

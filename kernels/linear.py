@@ -12,6 +12,7 @@ layers swap it in after loading, on the device it runs on.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -102,8 +103,12 @@ def widened_linear(x: torch.Tensor, weight: torch.Tensor,
 
 
 def probe_batch_sizes(weights: list[torch.Tensor]) -> tuple[int, ...]:
-    """The row counts `time_paths` compares the paths at for these weights."""
+    """The row counts `time_paths` compares the paths at for these weights: also 32 and 64
+    where the native kernel can outrun the GEMMs past 16 rows (fp32 weights in panels; bf16
+    weights on a CPU without bf16 dot products)."""
     if any(w.dtype == torch.bfloat16 and w.is_cpu for w in weights) and not has_native_bf16():
+        return PROBE_BATCH_SIZES + WIDE_PROBE_BATCH_SIZES
+    if weights and all(native.panels_supported(w) for w in weights):
         return PROBE_BATCH_SIZES + WIDE_PROBE_BATCH_SIZES
     return PROBE_BATCH_SIZES
 
@@ -112,7 +117,8 @@ def time_paths(weights: list[torch.Tensor], batch_sizes: tuple[int, ...] | None 
                rounds: int = 7) -> dict[int, dict[str, float]]:
     """Per batch size M, per path: the median seconds of `x [M, in] @ w^T` summed over
     `weights`. Paths: "reference" (torch's `linear`), "prepacked" (oneDNN, when every
-    weight can be packed), "native" (kernels/native.py, when it builds here).
+    weight can be packed), "native" (kernels/native.py, when it builds here: fp32 weights
+    packed in panels where `native.panels_supported`, else the plain weights).
 
     Which path wins depends on the CPU, the dtype, M and the threads (on a Xeon with AMX,
     fp32 at M=1 reads faster through MKL; bf16 through oneDNN at every M; on Zen 4 the
@@ -120,20 +126,25 @@ def time_paths(weights: list[torch.Tensor], batch_sizes: tuple[int, ...] | None 
     rather than assumed. The paths take turns, round by round and in a rotating order, so
     a neighbour's load falls on all of them."""
     batch_sizes = probe_batch_sizes(weights) if batch_sizes is None else batch_sizes
-    calls: dict[str, list[tuple[torch.Tensor, int]]] = {
-        "reference": [(w, 0) for w in weights]}
+    # per path, one function per weight: x -> x @ w^T
+    calls: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {
+        "reference": [functools.partial(linear, weight=w) for w in weights]}
     if all(can_prepack(w) for w in weights):
-        calls["prepacked"] = [(prepack(w), 0) for w in weights]
-    if all(native.supports(w) for w in weights):
-        calls["native"] = [(w, max(batch_sizes)) for w in weights]
+        calls["prepacked"] = [functools.partial(linear, weight=prepack(w)) for w in weights]
+    if weights and all(native.panels_supported(w) for w in weights):
+        calls["native"] = [functools.partial(native.panel_linear, panels=native.pack_panels(w),
+                                             out_features=w.shape[0]) for w in weights]
+    elif all(native.supports(w) for w in weights):
+        calls["native"] = [functools.partial(linear, weight=w, skinny_rows=max(batch_sizes))
+                           for w in weights]
     result: dict[int, dict[str, float]] = {}
     with torch.inference_mode():
         for m in batch_sizes:
             xs = [torch.randn(m, w.shape[1], dtype=w.dtype, device=w.device) for w in weights]
 
-            def run(path: list[tuple[torch.Tensor, int]], xs=xs) -> None:
-                for x, (w, skinny_rows) in zip(xs, path):
-                    linear(x, w, skinny_rows=skinny_rows)
+            def run(path: list[Callable[[torch.Tensor], torch.Tensor]], xs=xs) -> None:
+                for x, multiply in zip(xs, path):
+                    multiply(x)
 
             result[m] = alternated_medians(
                 {name: functools.partial(run, path) for name, path in calls.items()}, rounds)
@@ -163,16 +174,26 @@ class LinearPlan:
 
 
 def choose_plan(times: dict[int, dict[str, float]]) -> LinearPlan:
-    """The plan `time_paths`' figures argue for: the native kernel up to the last row
-    count where it is the fastest of all (from one row on, without a gap), then oneDNN's
-    prepacked path or torch's `linear`, whichever wins above (a split where each wins a
-    range)."""
+    """The plan `time_paths`' figures argue for: the native kernel for every call up to
+    the row count where handing it that range (and the other paths the rest, each at its
+    best) costs least over all the probed row counts, then oneDNN's prepacked path or
+    torch's `linear`, whichever wins above (a split where each wins a range).
+
+    One cutoff, chosen on the sum: a kernel within a few percent at one row and a third
+    faster from 8 rows on (fp32 panels on a Xeon with AVX-512) takes the whole range,
+    where a cutoff at the first row it loses would hand it nothing."""
     sizes = sorted(times)
-    skinny_rows = 0
-    for m in sizes:
-        if "native" not in times[m] or min(times[m], key=times[m].get) != "native":
+
+    def others(m: int) -> float:
+        return min(t for name, t in times[m].items() if name != "native")
+
+    skinny_rows, best = 0, sum(others(m) for m in sizes)
+    for cutoff in sizes:
+        if any("native" not in times[m] for m in sizes if m <= cutoff):
             break
-        skinny_rows = m
+        total = sum(times[m]["native"] if m <= cutoff else others(m) for m in sizes)
+        if total < best:
+            skinny_rows, best = cutoff, total
     rest = [m for m in sizes if m > skinny_rows] or sizes[-1:]
     if "prepacked" not in times[rest[0]]:
         return LinearPlan("native" if skinny_rows else "reference", skinny_rows=skinny_rows)

@@ -37,7 +37,7 @@ from kernels.timing import alternated_medians
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name("native") / name
-                for name in ("skinny.c", "step_ops.c", "decoder.c"))
+                for name in ("skinny.c", "panels.c", "step_ops.c", "decoder.c"))
 HEADERS = tuple(Path(__file__).with_name("native") / name
                 for name in ("bf16.h", "avx2.h", "ops.h"))
 CACHE_ENV = "LLMQ_KERNEL_CACHE"
@@ -87,6 +87,14 @@ class _Library:
         self.set_row_prefetch = lib.llmq_skinny_set_row_prefetch
         self.by_dtype = {torch.float32: lib.llmq_skinny_f32,
                          torch.bfloat16: lib.llmq_skinny_bf16}
+        lib.llmq_panel_width.restype = i64
+        self.panel_width = lib.llmq_panel_width()
+        lib.llmq_pack_panels_f32.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
+        lib.llmq_pack_panels_f32.restype = None
+        self.pack_panels = lib.llmq_pack_panels_f32
+        lib.llmq_panels_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
+        lib.llmq_panels_f32.restype = ctypes.c_int
+        self.panels_f32 = lib.llmq_panels_f32
         flt = ctypes.c_float
         signatures = {
             "rms_norm": [ptr, i64, i64, i64, i64, i64, ptr, flt, ptr, ctypes.c_int],
@@ -184,6 +192,66 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor,
                               None if bias is None else bias.data_ptr(), out.data_ptr(),
                               rows, weight.shape[0], features, x.stride(0),
                               torch.get_num_threads())
+    return out
+
+
+# ---- fp32 weights packed in panels (native/panels.c) ------------------------------------
+#
+# From a few rows of x on, the row-major kernel above runs out of multiply-adds before the
+# memory runs out of bytes (fp32, 100m model, 2 threads, Xeon with AVX-512: 16 rows 42-47
+# ms a pass, the bytes alone 19-22); the panels keep every multiply-add busy and still read
+# each weight byte once a call (16 rows 25 ms, 64 rows 64 against 133; docs/benchmarks.md).
+# They serve one row as fast as the row-major kernel, so an fp32 weight the native kernel
+# takes is packed once and the row-major copy is not kept for it.
+
+# the builds whose panels are vector code (elsewhere the plain loops: correct, not fast)
+PANEL_ISAS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
+
+
+def panels_supported(weight: torch.Tensor) -> bool:
+    """True when `weight` [out, in] can be packed for `panel_linear` and it pays here: a
+    contiguous fp32 CPU tensor, on a build whose panel code is vector code."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32
+            and weight.dim() == 2 and not weight.is_mkldnn and weight.is_contiguous()
+            and isa() in PANEL_ISAS)
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [out, in] (`panels_supported`) packed for `panel_linear`: [ceil(out /
+    width), in, width] with wp[p, k, j] = weight[p * width + j, k] (zeros past `out`)."""
+    library = _library()
+    if library is None:
+        raise RuntimeError("the native CPU kernel is unavailable")
+    out_features, in_features = weight.shape
+    width = library.panel_width
+    packed = torch.empty(-(-out_features // width), in_features, width, dtype=torch.float32)
+    library.pack_panels(weight.data_ptr(), packed.data_ptr(), out_features, in_features,
+                        torch.get_num_threads())
+    return packed
+
+
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ weight^T + bias` for fp32 x [M, in], with `panels` = `pack_panels(weight)` and
+    `out_features` its rows."""
+    library = _library()
+    if library is None:
+        raise RuntimeError("the native CPU kernel is unavailable")
+    rows, features = x.shape
+    if x.dtype != torch.float32 or (bias is not None and bias.dtype != torch.float32):
+        raise TypeError(f"panels take fp32 x and bias, not {x.dtype}")
+    if features != panels.shape[1] or panels.shape[0] * panels.shape[2] < out_features:
+        raise ValueError(f"x has {features} features; the panels take {panels.shape[1]} "
+                         f"and give {out_features}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if bias is not None:
+        bias = bias.contiguous()
+    out = torch.empty(rows, out_features, dtype=torch.float32)
+    if library.panels_f32(x.data_ptr(), panels.data_ptr(),
+                          None if bias is None else bias.data_ptr(), out.data_ptr(), rows,
+                          out_features, features, x.stride(0), torch.get_num_threads()):
+        raise MemoryError("the panel kernel could not allocate its scratch")
     return out
 
 
@@ -386,7 +454,8 @@ class _DecoderShape(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in (
         "hidden", "heads", "kv_heads", "head_dim", "intermediate", "cache_block_stride",
         "cache_token_stride", "block_size")] + [("eps", ctypes.c_float),
-                                                ("scale", ctypes.c_float)]
+                                                ("scale", ctypes.c_float),
+                                                ("panels", ctypes.c_int64)]
 
 
 LAYER_PARTS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "post_norm",
@@ -408,12 +477,14 @@ class NativeDecoder:
     operations, and the Python between the calls cost more than the operations (bf16,
     100m model, Xeon with AMX: 4-5 ms of a 13 ms step; docs/benchmarks.md "CPU speed").
 
-    `layers`: per layer, the tensors named by `LAYER_PARTS` (plain row-major weights, the
-    norms' weights; None for an absent optional part), all of one dtype the kernels take.
+    `layers`: per layer, the tensors named by `LAYER_PARTS` (plain row-major weights, or
+    with `panels` fp32 projection weights packed by `pack_panels`; the norms' weights;
+    None for an absent optional part), all of one dtype the kernels take.
     """
 
     def __init__(self, layers: list[dict[str, torch.Tensor | None]], *, heads: int,
-                 kv_heads: int, head_dim: int, eps: float, max_rows: int) -> None:
+                 kv_heads: int, head_dim: int, eps: float, max_rows: int,
+                 panels: bool = False) -> None:
         library = _library()
         if library is None:
             raise RuntimeError("the native CPU kernel is unavailable")
@@ -431,9 +502,19 @@ class NativeDecoder:
                 raise ValueError("q_norm and k_norm come together")
         if self.dtype not in DTYPES:
             raise ValueError(f"the native kernels take {DTYPES}, not {self.dtype}")
+        if panels and self.dtype != torch.float32:
+            raise ValueError(f"panels hold fp32 weights, not {self.dtype}")
+        # a weight [out, in] or its panels [ceil(out / width), in, width]: `in` is dim 1
         hidden = first["qkv"].shape[1]
         intermediate = first["down"].shape[1]
-        if first["qkv"].shape[0] != (heads + 2 * kv_heads) * head_dim or heads % kv_heads:
+        qkv_rows = (heads + 2 * kv_heads) * head_dim
+        if panels:
+            width = library.panel_width
+            if any(layer[name].dim() != 3 or layer[name].shape[2] != width
+                   for layer in layers for name in ("qkv", "o", "gate_up", "down")):
+                raise ValueError(f"panels of width {width} needed")
+            qkv_rows = -(-qkv_rows // width)
+        if first["qkv"].shape[0] != qkv_rows or heads % kv_heads:
             raise ValueError("qkv does not match the heads")
         self._library = library
         self._run = library.decode_layers[self.dtype]
@@ -447,7 +528,7 @@ class NativeDecoder:
                 setattr(struct, name, None if t is None else t.data_ptr())
         self._shape = _DecoderShape(hidden=hidden, heads=heads, kv_heads=kv_heads,
                                     head_dim=head_dim, intermediate=intermediate,
-                                    eps=eps, scale=head_dim ** -0.5)
+                                    eps=eps, scale=head_dim ** -0.5, panels=int(panels))
         self._cache_ptr: int | None = None
         self._scratch = torch.empty(0, dtype=self.dtype)
 
@@ -506,7 +587,8 @@ class NativeDecoder:
         if failed > 0:
             raise DecoderStopped(failed - 1)
         if failed:
-            raise MemoryError("decode attention could not allocate its scratch buffers")
+            raise MemoryError("decode attention or a projection could not allocate its "
+                              "scratch buffers")
         return hidden, residual
 
 

@@ -53,6 +53,44 @@ def test_the_kernel_equals_torch_linear_within_the_summation_order(dtype, rows, 
             assert (got != want).float().mean() <= 0.02
 
 
+@pytest.mark.parametrize("rows, out_features, in_features", [
+    (1, 7, 5), (2, 33, 31), (1, 768, 2048), (5, 100, 768), (11, 64, 64), (12, 32, 16),
+    (13, 97, 48), (25, 130, 96), (64, 40, 32), (70, 65, 40)])
+def test_panels_equal_the_exact_product(rows, out_features, in_features):
+    """fp32 weights packed in panels: every row count (groups of up to 12 x rows on
+    AVX-512, 6 on AVX2, split evenly), feature counts that do and do not fill the last
+    panel, with and without bias, x rows strided wider than their length; a plain weight
+    from the panels' zeros past the last row never shows."""
+    gen = torch.Generator().manual_seed(rows * 7 + out_features)
+    x = torch.randn(rows, in_features + 5, generator=gen)[:, :in_features]
+    weight = torch.randn(out_features, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen)
+    panels = native.pack_panels(weight)
+    width = panels.shape[2]
+    assert panels.shape == (-(-out_features // width), in_features, width)
+    assert torch.equal(panels.permute(0, 2, 1).reshape(-1, in_features)[:out_features], weight)
+    assert not panels.permute(0, 2, 1).reshape(-1, in_features)[out_features:].any()
+    for b in (None, bias):
+        got = native.panel_linear(x, panels, out_features, b)
+        exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
+        assert got.shape == (rows, out_features) and got.dtype == torch.float32
+        assert torch.allclose(got.double(), exact, rtol=1e-5, atol=1e-4)
+
+
+def test_panels_refuse_what_they_cannot_compute():
+    weight = torch.randn(8, 16)
+    panels = native.pack_panels(weight)
+    with pytest.raises(TypeError, match="fp32"):
+        native.panel_linear(torch.randn(2, 16, dtype=torch.bfloat16), panels, 8)
+    with pytest.raises(ValueError, match="16"):
+        native.panel_linear(torch.randn(2, 15), panels, 8)
+    with pytest.raises(ValueError, match="give"):
+        native.panel_linear(torch.randn(2, 16), panels, panels.shape[0] * panels.shape[2] + 1)
+    assert not native.panels_supported(weight.to(torch.bfloat16))
+    assert not native.panels_supported(weight.t())  # not contiguous
+    assert not native.panels_supported(dense.prepack(weight))
+
+
 def test_the_kernel_refuses_what_it_cannot_compute():
     weight = torch.randn(8, 16)
     with pytest.raises(TypeError, match="share a dtype"):
@@ -94,6 +132,12 @@ def _times(**by_size: dict[str, float]) -> dict[int, dict[str, float]]:
      dense.LinearPlan("reference")),
     (_times(m1={"reference": 2, "native": 1}, m4={"reference": 1, "native": 2}),
      dense.LinearPlan("native", skinny_rows=1)),
+    # a few percent behind at one row, far ahead from 8 rows on: native takes the range
+    # (fp32 panels on a Xeon with AVX-512: the sum over the probed rows decides)
+    (_times(m1={"reference": 1.00, "prepacked": 1.2, "native": 1.04},
+            m8={"reference": 2.9, "prepacked": 1.5, "native": 1.2},
+            m16={"reference": 2.5, "prepacked": 1.7, "native": 1.3}),
+     dense.LinearPlan("native", prepack=True, plain_rows=16, skinny_rows=16)),
 ])
 def test_the_plan_follows_the_timing(times, plan):
     assert dense.choose_plan(times) == plan
@@ -498,6 +542,11 @@ def test_the_builds_for_other_x86_cpus_equal_the_references(monkeypatch, march, 
     baseline = native.build(march)
     assert baseline is not None and baseline.isa == isa
     monkeypatch.setattr(native, "_library", lambda: baseline)
+    if isa == "generic":  # the plain loops of the panels are not offered as a path
+        assert not native.panels_supported(torch.empty(2, 2))
+        monkeypatch.setattr(native, "PANEL_ISAS", (*native.PANEL_ISAS, "generic"))
+    for shape in ((1, 7, 5), (5, 100, 768), (13, 97, 48), (25, 130, 96), (70, 65, 40)):
+        test_panels_equal_the_exact_product(*shape)
     for dtype in (torch.float32, torch.bfloat16):
         test_the_step_ops_equal_the_references(dtype)
         test_decode_attention_and_the_kv_store_equal_the_references(dtype)
@@ -551,6 +600,8 @@ def test_decode_steps_in_one_native_call_equal_the_layer_loop_bit_for_bit(
                          kv_cache_bytes=8 << 20, linear_path="native")
     decoder = runner.model.model.native_decoder
     assert runner.decoder_rows == NATIVE_ROWS and decoder is not None
+    # fp32 projections on their panels, in the layer loop and in the decoder alike
+    assert bool(runner.panel_weights) == (dtype == "float32") == bool(decoder._shape.panels)
     calls = []
     monkeypatch.setattr(type(decoder), "takes", lambda self, hidden, meta, takes=type(
         decoder).takes: calls.append(takes(self, hidden, meta)) or calls[-1])
@@ -567,6 +618,43 @@ def test_decode_steps_in_one_native_call_equal_the_layer_loop_bit_for_bit(
     loop = _step_logits(runner, steps)
     for step, (a, b) in enumerate(zip(fused, loop)):
         assert torch.equal(a, b), f"step {step}: {(a - b).abs().max()}"
+
+
+def test_fp32_weights_the_native_kernel_takes_live_in_panels(tiny_qwen3_dir, monkeypatch):
+    """With the native kernel up to 4 rows and oneDNN's packed copies above, an fp32
+    layer's weight is kept in panels for the native calls and its plain copy is freed (no
+    call reaches it); the LM head keeps its plain weight (the embedding's, when tied). A
+    call of each row count goes to the path the plan names, with the exact product."""
+    from workers.engine.loader import load_checkpoint
+    from workers.engine.model_runner import NATIVE_ROWS, ModelRunner
+    from workers.engine.models.layers import LinearBase, ParallelLMHead, native_rows
+
+    loaded = load_checkpoint(tiny_qwen3_dir, dtype="float32")
+    plain = {name: m.weight.clone() for name, m in loaded.model.named_modules()
+             if isinstance(m, LinearBase | ParallelLMHead)}
+    runner = ModelRunner(loaded, kv_cache_bytes=1 << 20, linear_path="native")
+    assert runner.panel_weights == len(plain) and runner.plain_rows is None
+    calls = []
+    monkeypatch.setattr(native, "panel_linear", lambda *a, f=native.panel_linear, **k:
+                        calls.append("panels") or f(*a, **k))
+    for name, module in loaded.model.named_modules():
+        if not isinstance(module, LinearBase | ParallelLMHead):
+            continue
+        assert module.panel_weight is not None and native_rows(module) == NATIVE_ROWS
+        if isinstance(module, LinearBase):
+            assert module.weight.is_mkldnn and module.packed_weight is None
+        else:
+            assert not module.weight.is_mkldnn and module.packed_weight is not None
+        for rows in (1, NATIVE_ROWS, NATIVE_ROWS + 1):
+            calls.clear()
+            x = torch.randn(rows, plain[name].shape[1])
+            got = (module(x) if isinstance(module, LinearBase) else module.compute_logits(x))
+            got = got[0] if isinstance(got, tuple) else got
+            exact = F.linear(x.double(), plain[name].double(),
+                             None if getattr(module, "bias", None) is None
+                             else module.bias.double())
+            assert torch.allclose(got.double(), exact, rtol=1e-5, atol=1e-4)
+            assert calls == (["panels"] if rows <= NATIVE_ROWS else [])
 
 
 def test_the_runner_gives_the_native_decoder_the_row_counts_where_whole_steps_run_faster(

@@ -1,5 +1,5 @@
 /* Every decoder layer of a decode step in one call: the same native operations the
- * layer-by-layer path calls from Python (skinny.c, step_ops.c), in the same order on the
+ * layer-by-layer path calls from Python (skinny.c or panels.c, step_ops.c), in the same order on the
  * same inputs, so the results are bit for bit those of that path.
  *
  * Why: at a decode step of few rows the arithmetic of a layer is its weight reads and a
@@ -29,9 +29,29 @@ struct llmq_decoder {
     int64_t cache_block_stride, cache_token_stride, block_size;
     float eps;   /* every RMSNorm's */
     float scale; /* the attention's, head_dim ** -0.5 as a float */
+    /* fp32: 1 when the projections' weights are packed in panels (panels.c), 0 when they
+     * are row-major (skinny.c); bf16 weights are always row-major */
+    int64_t panels;
 };
 
-/* one layer's weights (row-major [out, in]) and caches; absent parts are NULL */
+/* y = x w^T (+ bias): 0, or -1 when the kernel could not allocate its scratch */
+static inline int project_f32(const struct llmq_decoder *d, const float *x, const void *w,
+                              const void *bias, float *y, int64_t M, int64_t N, int64_t K,
+                              int64_t ldx, int threads) {
+    if (d->panels) return llmq_panels_f32(x, w, bias, y, M, N, K, ldx, threads);
+    llmq_skinny_f32(x, w, bias, y, M, N, K, ldx, threads);
+    return 0;
+}
+static inline int project_bf16(const struct llmq_decoder *d, const uint16_t *x,
+                               const void *w, const void *bias, uint16_t *y, int64_t M,
+                               int64_t N, int64_t K, int64_t ldx, int threads) {
+    (void)d;
+    llmq_skinny_bf16(x, w, bias, y, M, N, K, ldx, threads);
+    return 0;
+}
+
+/* one layer's weights (row-major [out, in], or fp32 panels) and caches; absent parts are
+ * NULL */
 struct llmq_layer {
     const void *input_norm, *qkv, *qkv_bias, *q_norm, *k_norm, *o, *post_norm;
     const void *gate_up, *gate_up_bias, *down;
@@ -53,8 +73,8 @@ int64_t llmq_decode_scratch(const struct llmq_decoder *d, int64_t rows) {
  * length, as `llmq_decode_attention_*` takes them. `stop` (NULL: never): before each layer
  * l < stop_before the call reads *stop and, when another thread has set it, returns 1 + l
  * at once (the step is given up: its outputs and the KV rows already written are
- * rewritten when it runs again). Returns 0, or -1 when attention could not allocate its
- * scratch. */
+ * rewritten when it runs again). Returns 0, or -1 when attention or a projection could not
+ * allocate its scratch. */
 #define DECODE_LAYERS(S, T)                                                               \
     int llmq_decode_layers_##S(const struct llmq_decoder *d, const struct llmq_layer *layers, \
                                int64_t num_layers, int64_t rows, T *hidden, T *residual,  \
@@ -83,8 +103,9 @@ int64_t llmq_decode_scratch(const struct llmq_decoder *d, int64_t rows) {
                 llmq_add_rms_norm_##S(hidden, residual, rows, H, L->input_norm, d->eps,   \
                                       normed, residual, threads);                         \
             }                                                                             \
-            llmq_skinny_##S(normed, L->qkv, L->qkv_bias, qkv, rows, qkv_size, H, H,       \
-                            threads);                                                     \
+            if (project_##S(d, normed, L->qkv, L->qkv_bias, qkv, rows, qkv_size, H, H,    \
+                            threads))                                                     \
+                return -1;                                                                \
             /* q, k, v: views of each row of qkv */                                       \
             const T *q = qkv, *k = qkv + q_size, *v = qkv + q_size + kv_size;             \
             int64_t q_row = qkv_size, k_row = qkv_size;                                   \
@@ -107,13 +128,16 @@ int64_t llmq_decode_scratch(const struct llmq_decoder *d, int64_t rows) {
                                           d->cache_token_stride, D, d->block_size,        \
                                           tables, starts, lens, d->scale, attn, threads)) \
                 return -1;                                                                \
-            llmq_skinny_##S(attn, L->o, NULL, out, rows, H, q_size, q_size, threads);     \
+            if (project_##S(d, attn, L->o, NULL, out, rows, H, q_size, q_size, threads))  \
+                return -1;                                                                \
             llmq_add_rms_norm_##S(out, residual, rows, H, L->post_norm, d->eps, normed,   \
                                   residual, threads);                                     \
-            llmq_skinny_##S(normed, L->gate_up, L->gate_up_bias, gate_up, rows, 2 * I, H,  \
-                            H, threads);                                                  \
+            if (project_##S(d, normed, L->gate_up, L->gate_up_bias, gate_up, rows, 2 * I, \
+                            H, H, threads))                                               \
+                return -1;                                                                \
             llmq_silu_and_mul_##S(gate_up, rows, I, act, threads);                        \
-            llmq_skinny_##S(act, L->down, NULL, hidden, rows, H, I, I, threads);  \
+            if (project_##S(d, act, L->down, NULL, hidden, rows, H, I, I, threads))       \
+                return -1;                                                                \
         }                                                                                 \
         return 0;                                                                         \
     }

@@ -1,5 +1,5 @@
-/* The library's entry points that other files of it call: the projection kernel
- * (skinny.c) and the step operations (step_ops.c), per dtype suffix S and element type
+/* The library's entry points that other files of it call: the projection kernels
+ * (skinny.c, panels.c) and the step operations (step_ops.c), per dtype suffix S and element type
  * T. Each file includes this, so a definition that drifts from its declaration fails to
  * compile. */
 #ifndef LLMQ_OPS_H
@@ -30,5 +30,11 @@
 
 LLMQ_OPS(f32, float)
 LLMQ_OPS(bf16, uint16_t)
+
+/* fp32 projections on weights packed in panels (panels.c) */
+int64_t llmq_panel_width(void);
+void llmq_pack_panels_f32(const float *w, float *wp, int64_t N, int64_t K, int threads);
+int llmq_panels_f32(const float *x, const float *wp, const float *bias, float *y, int64_t M,
+                    int64_t N, int64_t K, int64_t ldx, int threads);
 
 #endif

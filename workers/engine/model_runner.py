@@ -23,6 +23,7 @@ from workers.engine.loader import LoadedCheckpoint
 from workers.engine.models.layers import (
     LinearBase,
     ParallelLMHead,
+    pack_panels,
     prepack_linears,
     probe_weights,
     use_native_kernel,
@@ -105,6 +106,7 @@ class ModelRunner:
         self.skinny_rows = 0
         self.linear_probe: dict[int, dict[str, float]] = {}
         self.huge_page_bytes = 0  # weights moved into huge pages (CPU)
+        self.panel_weights = 0  # fp32 weights packed in panels for the native kernel
         # per prefetch distance of the native kernel's one-row stream (bytes), the seconds
         # of a one-row pass timed at start-up, when they were (the fastest is kept)
         self.row_prefetch_probe: dict[int, float] = {}
@@ -115,7 +117,8 @@ class ModelRunner:
             self._apply_linear_plan(plan)
             # before the native decoder keeps the weights' addresses
             self.huge_page_bytes = huge_pages.move_to_huge_pages(self.model)
-            if path == "auto" and native.row_prefetch_tunable():
+            # (the panels have their own prefetch: fp32 then leaves the one-row bodies)
+            if path == "auto" and native.row_prefetch_tunable() and not self.panel_weights:
                 self._choose_row_prefetch()
         from kernels import dispatch
 
@@ -267,14 +270,22 @@ class ModelRunner:
             plan = fixed_plan("prepacked")  # "native" asked for where it cannot build
         self.linear_path = plan.name
         self.plain_rows, self.skinny_rows = plan.plain_rows, plan.skinny_rows
-        num_packed = prepack_linears(self.model, plan.plain_rows) if plan.prepack else 0
+        # fp32 weights the native kernel takes are packed in panels for it (what
+        # `time_paths` timed as "native" for them); the plain copy then serves no call a
+        # prepacked copy does not take above the native kernel's rows, and is freed
+        self.panel_weights = pack_panels(self.model) if plan.skinny_rows else 0
+        plain_rows = plan.plain_rows
+        if self.panel_weights and plain_rows is not None and plain_rows <= plan.skinny_rows:
+            plain_rows = self.plain_rows = None
+        num_packed = prepack_linears(self.model, plain_rows) if plan.prepack else 0
         num_native = use_native_kernel(self.model, plan.skinny_rows) if plan.skinny_rows else 0
         parts = []
         if num_native:
-            parts.append(f"native kernel ({native.isa()}) up to {plan.skinny_rows} rows "
-                         f"on {num_native} weights")
-        if num_packed and plan.plain_rows is not None and plan.plain_rows > plan.skinny_rows:
-            parts.append(f"torch's linear up to {plan.plain_rows} rows")
+            parts.append(f"native kernel ({native.isa()}"
+                         f"{', fp32 panels' if self.panel_weights else ''}) up to "
+                         f"{plan.skinny_rows} rows on {num_native} weights")
+        if num_packed and plain_rows is not None and plain_rows > plan.skinny_rows:
+            parts.append(f"torch's linear up to {plain_rows} rows")
         if num_packed:
             parts.append(f"oneDNN prepacked above ({num_packed} weights)" if parts
                          else f"{num_packed} weights prepacked for oneDNN")

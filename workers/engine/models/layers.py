@@ -60,6 +60,7 @@ class LinearBase(nn.Module):
         if bias:
             self.bias = _attach(nn.Parameter(torch.empty(out_features), requires_grad=False),
                                 self.weight_loader)
+        _no_panels(self)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         raise NotImplementedError
@@ -70,6 +71,10 @@ class LinearBase(nn.Module):
     plain_rows = 0
     # calls of at most this many rows on the plain weight take the native kernel
     skinny_rows = 0
+
+    def pack_panels(self) -> bool:
+        """See `_pack_panels`."""
+        return _pack_panels(self)
 
     def prepack(self, plain_rows: int | None = None) -> bool:
         """Swap the loaded weight for its prepacked copy (CPU; kernels/linear.py), or with
@@ -214,6 +219,14 @@ class ParallelLMHead(VocabParallelEmbedding):
     plain_rows = 0  # calls of at most this many rows take the plain weight (a split)
     skinny_rows = 0  # calls of at most this many rows take the native kernel
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        _no_panels(self)
+
+    def pack_panels(self) -> bool:
+        """See `_pack_panels` (the plain weight stays, as for `prepack`)."""
+        return _pack_panels(self)
+
     def prepack(self, plain_rows: int | None = None) -> bool:
         """Keep a prepacked copy of the projection beside the weight (CPU); True if it
         made one. `plain_rows`: as `LinearBase.prepack`'s split.
@@ -236,20 +249,43 @@ class ParallelLMHead(VocabParallelEmbedding):
         return logits
 
 
+def _no_panels(layer: LinearBase | ParallelLMHead) -> None:
+    # fp32: the weight packed in panels for the native kernel (`_pack_panels`), a buffer
+    # so that it moves with the module (into huge pages); None until packed
+    layer.register_buffer("panel_weight", None, persistent=False)
+    layer.panel_features = 0  # the weight's rows, which the panels pad to their width
+
+
+def _pack_panels(layer: LinearBase | ParallelLMHead) -> bool:
+    """Keep the weight packed in panels (kernels/native.py `pack_panels`): the native
+    kernel's calls (of at most `skinny_rows` rows) take them instead of the plain weight.
+    True if it packed; only an fp32 plain weight where `native.panels_supported`."""
+    if layer.panel_weight is not None or not native.panels_supported(layer.weight):
+        return False
+    layer.panel_weight = native.pack_panels(layer.weight)
+    layer.panel_features = layer.weight.shape[0]
+    return True
+
+
 def _project(layer: LinearBase | ParallelLMHead, x: torch.Tensor,
              bias: torch.Tensor | None) -> torch.Tensor:
-    """`x @ W^T + bias` on the path this call's row count takes: the prepacked copy above
+    """`x @ W^T + bias` on the path this call's row count takes: the native kernel up to
+    `skinny_rows` rows on the panels where the weight has them, the prepacked copy above
     `plain_rows` rows (a split), else the plain weight (the native kernel up to
     `skinny_rows` rows)."""
+    if layer.panel_weight is not None and x.shape[0] <= layer.skinny_rows:
+        return native.panel_linear(x, layer.panel_weight, layer.panel_features, bias)
     if layer.packed_weight is not None and x.shape[0] > layer.plain_rows:
         return dense.linear(x, layer.packed_weight, bias)
     return dense.linear(x, layer.weight, bias, layer.skinny_rows)
 
 
 def native_rows(layer: LinearBase | ParallelLMHead) -> int:
-    """Calls of at most this many rows reach the native kernel on `_project`'s path (a
-    split's prepacked copy is asked first; a weight swapped for its packed copy takes
-    none)."""
+    """Calls of at most this many rows reach the native kernel on `_project`'s path (the
+    panels first; then a split's prepacked copy is asked first; a weight swapped for its
+    packed copy takes none)."""
+    if layer.panel_weight is not None:
+        return layer.skinny_rows
     if layer.weight.is_mkldnn:
         return 0
     if layer.packed_weight is not None:
@@ -258,14 +294,24 @@ def native_rows(layer: LinearBase | ParallelLMHead) -> int:
 
 
 def use_native_kernel(model: nn.Module, skinny_rows: int) -> int:
-    """Give every projection of `model` whose plain weight the native kernel takes
-    (kernels/native.py) the calls of at most `skinny_rows` rows; returns how many."""
+    """Give every projection of `model` whose weight the native kernel takes (its panels,
+    or the plain weight; kernels/native.py) the calls of at most `skinny_rows` rows;
+    returns how many."""
     count = 0
     for module in model.modules():
-        if isinstance(module, LinearBase | ParallelLMHead) and native.supports(module.weight):
+        if isinstance(module, LinearBase | ParallelLMHead) and (
+                module.panel_weight is not None or native.supports(module.weight)):
             module.skinny_rows = skinny_rows
             count += 1
     return count
+
+
+def pack_panels(model: nn.Module) -> int:
+    """Pack every projection weight of `model` that `native.panels_supported` in panels
+    for the native kernel (`_pack_panels`); returns how many. Before `prepack_linears`
+    frees a plain weight."""
+    return sum(module.pack_panels() for module in model.modules()
+               if isinstance(module, LinearBase | ParallelLMHead))
 
 
 def prepack_linears(model: nn.Module, plain_rows: int | None = None) -> int:

@@ -179,6 +179,7 @@ class LlamaModel(nn.Module):
         rows = max_rows
         layers = []
         eps = {self.layers[0].input_layernorm.eps}
+        panels: set[bool] = set()
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
@@ -188,25 +189,29 @@ class LlamaModel(nn.Module):
             if any(p.tp_size != 1 for p in projections):
                 return 0
             rows = min(rows, *(native_rows(p) for p in projections))
+            panels.update(p.panel_weight is not None for p in projections)
             norms = [layer.input_layernorm, layer.post_attention_layernorm]
             if attn.q_norm is not None:
                 norms += [attn.q_norm, attn.k_norm]
             eps.update(n.eps for n in norms)
+            weight = {p: p.weight if p.panel_weight is None else p.panel_weight
+                      for p in projections}
             layers.append({
-                "input_norm": layer.input_layernorm.weight, "qkv": attn.qkv_proj.weight,
+                "input_norm": layer.input_layernorm.weight, "qkv": weight[attn.qkv_proj],
                 "qkv_bias": attn.qkv_proj.bias,
                 "q_norm": None if attn.q_norm is None else attn.q_norm.weight,
                 "k_norm": None if attn.k_norm is None else attn.k_norm.weight,
-                "o": attn.o_proj.weight, "post_norm": layer.post_attention_layernorm.weight,
-                "gate_up": mlp.gate_up_proj.weight, "gate_up_bias": mlp.gate_up_proj.bias,
-                "down": mlp.down_proj.weight})
-        if rows < 1 or len(eps) != 1:
+                "o": weight[attn.o_proj], "post_norm": layer.post_attention_layernorm.weight,
+                "gate_up": weight[mlp.gate_up_proj], "gate_up_bias": mlp.gate_up_proj.bias,
+                "down": weight[mlp.down_proj]})
+        # every projection on its panels, or none (the decoder takes one layout)
+        if rows < 1 or len(eps) != 1 or len(panels) != 1:
             return 0
         attn = self.layers[0].self_attn
         try:
             self.native_decoder = native.NativeDecoder(
                 layers, heads=attn.num_heads, kv_heads=attn.num_kv_heads,
-                head_dim=attn.head_dim, eps=eps.pop(), max_rows=rows)
+                head_dim=attn.head_dim, eps=eps.pop(), max_rows=rows, panels=panels.pop())
         except (ValueError, RuntimeError) as exc:  # a dtype or layout it does not take
             logger.warning("native decoder not used: %s", exc)
             return 0

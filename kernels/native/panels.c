@@ -1,0 +1,207 @@
+/* y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) in fp32 on weights packed in panels: the
+ * projections of a step of a few to a few dozen rows, where the row-major kernel
+ * (skinny.c) runs out of multiply-adds before the memory runs out of bytes.
+ *
+ * Layout: the weight [N, K] in panels of NP output features, each panel k-major,
+ * wp[p][k][j] = w[p * NP + j][k] (zeros past N). A panel is one sequential stream, as a
+ * row-major weight read a row after another is, but a step over k brings NP features'
+ * weights in two (AVX-512: 32 features, AVX2: 16) vectors, and each row of x is
+ * broadcast one element at a time against them: a group of up to MRP rows of x keeps
+ * MRP x 2 vector sums in registers (outputs, not partial dot products: nothing to sum
+ * across lanes at the end), and per step loads 2 weight vectors and MRP broadcasts for
+ * 2 x MRP multiply-adds. The row-major tiles load one vector per multiply-add, sum 16
+ * lanes at the end of each dot product and re-read their x rows from L2 per tile.
+ *
+ * 100m model's fp32 projections, one pass, 2 threads, Xeon with AVX-512 (no bf16):
+ * 16 rows 25 ms against 42-47 with the row-major tiles and 33 with oneDNN's prepacked
+ * weights; 64 rows 64 against 133 and 70 (docs/benchmarks.md).
+ *
+ * Groups of x rows pass over a panel one after another (the first from memory, the rest
+ * from L2); while they do, the panel after it is prefetched into L2, spread evenly over
+ * the groups' steps, so the memory stream never waits on the multiply-adds or the other
+ * way round. Each output is summed over k in order, one fused multiply-add at a time.
+ * Threads split the panels (OpenMP). */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+
+#include "ops.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define NP 32  /* output features a panel holds: two vectors */
+#define MRP 12 /* x rows a group: 24 sums, 2 weight vectors and a broadcast in 32 registers */
+typedef __m512 vec;
+#define VZERO() _mm512_setzero_ps()
+#define VLOAD(p) _mm512_loadu_ps(p)
+#define VSTORE(p, v) _mm512_storeu_ps((p), (v))
+#define VSET1(s) _mm512_set1_ps(s)
+#define VFMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
+#define VADD(a, b) _mm512_add_ps((a), (b))
+#define VL 16
+#define PANELS_VECTOR 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define NP 16
+#define MRP 6 /* 12 sums, 2 weight vectors and a broadcast in 16 registers */
+typedef __m256 vec;
+#define VZERO() _mm256_setzero_ps()
+#define VLOAD(p) _mm256_loadu_ps(p)
+#define VSTORE(p, v) _mm256_storeu_ps((p), (v))
+#define VSET1(s) _mm256_set1_ps(s)
+#define VFMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
+#define VADD(a, b) _mm256_add_ps((a), (b))
+#define VL 8
+#define PANELS_VECTOR 1
+#else
+#define NP 16
+#define MRP 4
+#endif
+
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+#define LINE 64
+/* weight elements below which a call runs on one thread (as skinny.c's SERIAL_ELEMENTS) */
+#define SERIAL_ELEMENTS (1 << 16)
+/* bytes of a thread's first panel asked for at once, before its first step */
+#define FIRST_BYTES 16384
+
+int64_t llmq_panel_width(void) { return NP; }
+
+/* wp [ceil(N / NP)][K][NP] from w [N, K] row-major */
+void llmq_pack_panels_f32(const float *w, float *wp, int64_t N, int64_t K, int threads) {
+    int64_t panels = (N + NP - 1) / NP;
+    if (N * K < SERIAL_ELEMENTS) threads = 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t p = 0; p < panels; ++p) {
+        float *out = wp + p * K * NP;
+        for (int64_t j = 0; j < NP; ++j) {
+            int64_t n = p * NP + j;
+            if (n < N) {
+                const float *row = w + n * K;
+                for (int64_t k = 0; k < K; ++k) out[k * NP + j] = row[k];
+            } else {
+                for (int64_t k = 0; k < K; ++k) out[k * NP + j] = 0.f;
+            }
+        }
+    }
+}
+
+/* the sums of `mr` rows of x against one panel: xt [K][mr] (x transposed), the panel
+ * [K][NP]; out [mr][NP]. At step k it prefetches the line `ahead + base + k * step / 2^16`
+ * (and the next): its share of the panel after this one. */
+static ALWAYS_INLINE void panel_rows(const float *xt, const float *wp, int64_t K, int64_t mr,
+                                     float *out, const char *ahead, int64_t base,
+                                     int64_t step) {
+#if defined(PANELS_VECTOR)
+    vec acc[MRP][2];
+    for (int64_t i = 0; i < mr; ++i) acc[i][0] = acc[i][1] = VZERO();
+    for (int64_t k = 0; k < K; ++k) {
+        const char *a = ahead + ((base + ((k * step) >> 16)) & ~(int64_t)(LINE - 1));
+        __builtin_prefetch(a, 0, 2);
+        __builtin_prefetch(a + LINE, 0, 2);
+        const float *wk = wp + k * NP;
+        vec w0 = VLOAD(wk), w1 = VLOAD(wk + VL);
+        const float *xk = xt + k * mr;
+        for (int64_t i = 0; i < mr; ++i) {
+            vec xb = VSET1(xk[i]);
+            acc[i][0] = VFMA(xb, w0, acc[i][0]);
+            acc[i][1] = VFMA(xb, w1, acc[i][1]);
+        }
+    }
+    for (int64_t i = 0; i < mr; ++i) {
+        VSTORE(out + i * NP, acc[i][0]);
+        VSTORE(out + i * NP + VL, acc[i][1]);
+    }
+#else
+    (void)ahead, (void)base, (void)step;
+    float acc[MRP][NP];
+    for (int64_t i = 0; i < mr; ++i)
+        for (int64_t j = 0; j < NP; ++j) acc[i][j] = 0.f;
+    for (int64_t k = 0; k < K; ++k)
+        for (int64_t i = 0; i < mr; ++i)
+            for (int64_t j = 0; j < NP; ++j) acc[i][j] += xt[k * mr + i] * wp[k * NP + j];
+    for (int64_t i = 0; i < mr; ++i)
+        for (int64_t j = 0; j < NP; ++j) out[i * NP + j] = acc[i][j];
+#endif
+}
+
+/* panel_rows with mr a constant (1..MRP): its sums stay in registers */
+#define PANEL_CASE(n)                                                                     \
+    case n:                                                                               \
+        panel_rows(xt, wp, K, (n) < MRP ? (n) : MRP, out, ahead, base, step);             \
+        break;
+static void panel_any(const float *xt, const float *wp, int64_t K, int64_t mr, float *out,
+                      const char *ahead, int64_t base, int64_t step) {
+    switch (mr) {
+        PANEL_CASE(1) PANEL_CASE(2) PANEL_CASE(3) PANEL_CASE(4) PANEL_CASE(5)
+        PANEL_CASE(6) PANEL_CASE(7) PANEL_CASE(8) PANEL_CASE(9) PANEL_CASE(10)
+        PANEL_CASE(11)
+    default:
+        panel_rows(xt, wp, K, MRP, out, ahead, base, step);
+        break;
+    }
+}
+
+/* x [M, K] (row stride ldx), wp packed by llmq_pack_panels_f32 from a weight [N, K],
+ * bias [N] or NULL, y [M, N] contiguous. Returns 0, or -1 when it could not allocate its
+ * scratch (x transposed: M x K floats). */
+int llmq_panels_f32(const float *x, const float *wp, const float *bias, float *y, int64_t M,
+                    int64_t N, int64_t K, int64_t ldx, int threads) {
+    const int64_t panels = (N + NP - 1) / NP, groups = (M + MRP - 1) / MRP;
+    /* each group's rows of x, transposed ([K][rows]), one group after another: the
+     * broadcasts of a step read consecutive floats. One row is its own transpose. */
+    float *xt = NULL;
+    const float *xs = x;
+    if (M > 1) {
+        xt = malloc(sizeof(float) * (size_t)(M * K));
+        if (!xt) return -1;
+        for (int64_t g = 0; g < groups; ++g) {
+            int64_t m = g * M / groups, mr = (g + 1) * M / groups - m;
+            float *dst = xt + m * K;
+            for (int64_t i = 0; i < mr; ++i) {
+                const float *row = x + (m + i) * ldx;
+                for (int64_t k = 0; k < K; ++k) dst[k * mr + i] = row[k];
+            }
+        }
+        xs = xt;
+    }
+    if (N * K < SERIAL_ELEMENTS) threads = 1;
+    const int64_t panel_bytes = K * NP * (int64_t)sizeof(float);
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
+        int64_t first = panels * me / team, end = panels * (me + 1) / team;
+        if (first < end) {
+            const char *start = (const char *)(wp + first * K * NP);
+            for (int64_t b = 0; b < panel_bytes && b < FIRST_BYTES; b += LINE)
+                __builtin_prefetch(start + b, 0, 2);
+        }
+        float out[MRP * NP];
+        for (int64_t p = first; p < end; ++p) {
+            const float *panel = wp + p * K * NP;
+            /* the next panel, or this one again (already near) after the last */
+            const char *ahead = (const char *)(p + 1 < end ? panel + K * NP : panel);
+            int64_t valid = N - p * NP < NP ? N - p * NP : NP;
+            for (int64_t g = 0; g < groups; ++g) {
+                int64_t m = g * M / groups, mr = (g + 1) * M / groups - m;
+                /* this group fetches its share of the next panel: 1 / groups of its
+                 * bytes, over its K steps */
+                panel_any(xs + m * K, panel, K, mr, out, ahead, g * panel_bytes / groups,
+                          ((int64_t)NP * (int64_t)sizeof(float) << 16) / groups);
+                for (int64_t i = 0; i < mr; ++i) {
+                    float *dst = y + (m + i) * N + p * NP;
+                    const float *src = out + i * NP;
+                    if (bias) {
+                        for (int64_t j = 0; j < valid; ++j) dst[j] = src[j] + bias[p * NP + j];
+                    } else {
+                        memcpy(dst, src, sizeof(float) * (size_t)valid);
+                    }
+                }
+            }
+        }
+    }
+    free(xt);
+    return 0;
+}
