@@ -620,16 +620,19 @@ def test_decode_steps_in_one_native_call_equal_the_layer_loop_bit_for_bit(
         assert torch.equal(a, b), f"step {step}: {(a - b).abs().max()}"
 
 
-def test_fp32_weights_the_native_kernel_takes_live_in_panels(tiny_qwen3_dir, monkeypatch):
+@pytest.mark.parametrize("tied", [False, True])
+def test_fp32_weights_the_native_kernel_takes_live_in_panels(tied, request, monkeypatch):
     """With the native kernel up to 4 rows and oneDNN's packed copies above, an fp32
-    layer's weight is kept in panels for the native calls and its plain copy is freed (no
-    call reaches it); the LM head keeps its plain weight (the embedding's, when tied). A
-    call of each row count goes to the path the plan names, with the exact product."""
+    projection's weight is kept in panels for the native calls and its plain copy is freed
+    (no call reaches it), except an LM head tied to the input embedding, which keeps it
+    for the lookups. A call of each row count goes to the path the plan names, with the
+    exact product."""
     from workers.engine.loader import load_checkpoint
     from workers.engine.model_runner import NATIVE_ROWS, ModelRunner
     from workers.engine.models.layers import LinearBase, ParallelLMHead, native_rows
 
-    loaded = load_checkpoint(tiny_qwen3_dir, dtype="float32")
+    loaded = load_checkpoint(request.getfixturevalue(
+        "tiny_qwen3_tied_dir" if tied else "tiny_qwen3_dir"), dtype="float32")
     plain = {name: m.weight.clone() for name, m in loaded.model.named_modules()
              if isinstance(m, LinearBase | ParallelLMHead)}
     runner = ModelRunner(loaded, kv_cache_bytes=1 << 20, linear_path="native")
@@ -641,9 +644,10 @@ def test_fp32_weights_the_native_kernel_takes_live_in_panels(tiny_qwen3_dir, mon
         if not isinstance(module, LinearBase | ParallelLMHead):
             continue
         assert module.panel_weight is not None and native_rows(module) == NATIVE_ROWS
-        if isinstance(module, LinearBase):
+        if isinstance(module, LinearBase) or not tied:
             assert module.weight.is_mkldnn and module.packed_weight is None
         else:
+            assert module.weight is loaded.model.model.embed_tokens.weight
             assert not module.weight.is_mkldnn and module.packed_weight is not None
         for rows in (1, NATIVE_ROWS, NATIVE_ROWS + 1):
             calls.clear()

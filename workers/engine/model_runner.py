@@ -23,6 +23,7 @@ from workers.engine.loader import LoadedCheckpoint
 from workers.engine.models.layers import (
     LinearBase,
     ParallelLMHead,
+    drop_unused_plain_weights,
     pack_panels,
     prepack_linears,
     probe_weights,
@@ -279,6 +280,8 @@ class ModelRunner:
             plain_rows = self.plain_rows = None
         num_packed = prepack_linears(self.model, plain_rows) if plan.prepack else 0
         num_native = use_native_kernel(self.model, plan.skinny_rows) if plan.skinny_rows else 0
+        if self.panel_weights and num_packed and plain_rows is None:
+            drop_unused_plain_weights(self.model)  # an untied LM head's too
         parts = []
         if num_native:
             parts.append(f"native kernel ({native.isa()}"

@@ -240,6 +240,18 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.plain_rows = plain_rows or 0
         return True
 
+    def drop_plain_weight(self) -> bool:
+        """Free the plain weight once no call reaches it: the panels take the native
+        kernel's rows and the prepacked copy every call above them. The caller checks the
+        weight is not also the input embedding's (tied). True if it did."""
+        if self.panel_weight is None or self.packed_weight is None \
+                or self.plain_rows > self.skinny_rows:
+            return False
+        packed, self.packed_weight = self.packed_weight, None
+        del self.weight
+        self.register_buffer("weight", packed, persistent=False)
+        return True
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = _project(self, hidden, None)
         if self.tp_size > 1:  # TP: gather the vocabulary slices of every rank
@@ -321,6 +333,18 @@ def prepack_linears(model: nn.Module, plain_rows: int | None = None) -> int:
     weights are loaded and on their device; calling again changes nothing."""
     return sum(module.prepack(plain_rows) for module in model.modules()
                if isinstance(module, LinearBase | ParallelLMHead))
+
+
+def drop_unused_plain_weights(model: nn.Module) -> int:
+    """Free the plain weight of every LM head of `model` that its panels and prepacked
+    copy serve alone (`ParallelLMHead.drop_plain_weight`), unless another module shares
+    it (tied to the input embedding); returns how many. (A linear layer's plain weight
+    goes in `prepack` itself.)"""
+    uses: dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        uses[id(param)] = uses.get(id(param), 0) + 1
+    return sum(module.drop_plain_weight() for module in model.modules()
+               if isinstance(module, ParallelLMHead) and uses.get(id(module.weight)) == 1)
 
 
 # bytes of projection weights the start-up timing of the linear paths streams per pass
