@@ -202,7 +202,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor,
 # ms a pass, the bytes alone 19-22); the panels keep every multiply-add busy and still read
 # each weight byte once a call (16 rows 25 ms, 64 rows 64 against 133; docs/benchmarks.md).
 # They serve one row as fast as the row-major kernel, so an fp32 weight the native kernel
-# takes is packed once and the row-major copy is not kept for it.
+# takes is packed once and serves all its calls; the row-major copy is freed where a
+# prepacked copy takes the calls above them (ModelRunner._apply_linear_plan).
 
 # the builds whose panels are vector code (elsewhere the plain loops: correct, not fast)
 PANEL_ISAS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
