@@ -152,6 +152,15 @@ def _library() -> _Library | None:
     return build("native")
 
 
+def _loaded() -> _Library:
+    """The library, or RuntimeError where it cannot be built here (callers that may run
+    without it ask `available()` first)."""
+    library = _library()
+    if library is None:
+        raise RuntimeError("the native CPU kernel is unavailable")
+    return library
+
+
 def available() -> bool:
     """True when the kernel is built (or builds now) and loads on this machine."""
     return _library() is not None
@@ -175,23 +184,30 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor,
     """`x @ weight^T + bias` for x [M, in] of few rows (cost grows with M: each row is
     another pass of multiply-adds over the weight, read once from memory). `weight` must
     pass `supports`; x and bias are of its dtype."""
-    library = _library()
-    if library is None:
-        raise RuntimeError("the native CPU kernel is unavailable")
+    library = _loaded()
     if x.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
         raise TypeError(f"x {x.dtype}, weight {weight.dtype} and bias must share a dtype")
-    rows, features = x.shape
+    features = x.shape[1]
     if features != weight.shape[1]:
         raise ValueError(f"x has {features} features, the weight takes {weight.shape[1]}")
+    return _multiply(library.by_dtype[x.dtype], x, weight, bias, weight.shape[0])
+
+
+def _multiply(kernel, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+              out_features: int) -> torch.Tensor:
+    """`kernel(x, weight, bias, out, M, N, K, ldx, threads)` on checked operands: x rows
+    made unit-stride, bias contiguous; returns out [M, N]. A kernel returning nonzero
+    could not allocate its scratch (MemoryError)."""
     if x.stride(1) != 1:
         x = x.contiguous()
     if bias is not None:
         bias = bias.contiguous()
-    out = torch.empty(rows, weight.shape[0], dtype=x.dtype)
-    library.by_dtype[x.dtype](x.data_ptr(), weight.data_ptr(),
-                              None if bias is None else bias.data_ptr(), out.data_ptr(),
-                              rows, weight.shape[0], features, x.stride(0),
-                              torch.get_num_threads())
+    rows, features = x.shape
+    out = torch.empty(rows, out_features, dtype=x.dtype)
+    if kernel(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+              out.data_ptr(), rows, out_features, features, x.stride(0),
+              torch.get_num_threads()):
+        raise MemoryError("the native kernel could not allocate its scratch")
     return out
 
 
@@ -212,17 +228,13 @@ PANEL_ISAS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
 def panels_supported(weight: torch.Tensor) -> bool:
     """True when `weight` [out, in] can be packed for `panel_linear` and it pays here: a
     contiguous fp32 CPU tensor, on a build whose panel code is vector code."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32
-            and weight.dim() == 2 and not weight.is_mkldnn and weight.is_contiguous()
-            and isa() in PANEL_ISAS)
+    return weight.dtype == torch.float32 and supports(weight) and isa() in PANEL_ISAS
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     """`weight` [out, in] (`panels_supported`) packed for `panel_linear`: [ceil(out /
     width), in, width] with wp[p, k, j] = weight[p * width + j, k] (zeros past `out`)."""
-    library = _library()
-    if library is None:
-        raise RuntimeError("the native CPU kernel is unavailable")
+    library = _loaded()
     out_features, in_features = weight.shape
     width = library.panel_width
     packed = torch.empty(-(-out_features // width), in_features, width, dtype=torch.float32)
@@ -235,25 +247,14 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ weight^T + bias` for fp32 x [M, in], with `panels` = `pack_panels(weight)` and
     `out_features` its rows."""
-    library = _library()
-    if library is None:
-        raise RuntimeError("the native CPU kernel is unavailable")
+    library = _loaded()
     rows, features = x.shape
     if x.dtype != torch.float32 or (bias is not None and bias.dtype != torch.float32):
         raise TypeError(f"panels take fp32 x and bias, not {x.dtype}")
     if features != panels.shape[1] or panels.shape[0] * panels.shape[2] < out_features:
         raise ValueError(f"x has {features} features; the panels take {panels.shape[1]} "
                          f"and give {out_features}")
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if bias is not None:
-        bias = bias.contiguous()
-    out = torch.empty(rows, out_features, dtype=torch.float32)
-    if library.panels_f32(x.data_ptr(), panels.data_ptr(),
-                          None if bias is None else bias.data_ptr(), out.data_ptr(), rows,
-                          out_features, features, x.stride(0), torch.get_num_threads()):
-        raise MemoryError("the panel kernel could not allocate its scratch")
-    return out
+    return _multiply(library.panels_f32, x, panels, bias, out_features)
 
 
 # How far ahead (bytes) the one-row bodies of the AVX-512 builds may prefetch the weight
@@ -270,9 +271,7 @@ def row_prefetch_tunable() -> bool:
 
 def set_row_prefetch(num_bytes: int) -> None:
     """How far ahead the one-row bodies prefetch, for every later call in this process."""
-    library = _library()
-    if library is None:
-        raise RuntimeError("the native CPU kernel is unavailable")
+    library = _loaded()
     if num_bytes < 0:
         raise ValueError(f"a prefetch distance is >= 0 bytes, not {num_bytes}")
     library.set_row_prefetch(num_bytes)
@@ -486,9 +485,7 @@ class NativeDecoder:
     def __init__(self, layers: list[dict[str, torch.Tensor | None]], *, heads: int,
                  kv_heads: int, head_dim: int, eps: float, max_rows: int,
                  panels: bool = False) -> None:
-        library = _library()
-        if library is None:
-            raise RuntimeError("the native CPU kernel is unavailable")
+        library = _loaded()
         first = layers[0]
         self.dtype = first["qkv"].dtype
         for layer in layers:

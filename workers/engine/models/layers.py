@@ -86,8 +86,7 @@ class LinearBase(nn.Module):
         if plain_rows is not None:
             self.packed_weight, self.plain_rows = packed, plain_rows
             return True
-        del self.weight  # the plain copy is freed: the packed one replaces it
-        self.register_buffer("weight", packed, persistent=False)
+        _replace_weight(self, packed)
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -248,8 +247,7 @@ class ParallelLMHead(VocabParallelEmbedding):
                 or self.plain_rows > self.skinny_rows:
             return False
         packed, self.packed_weight = self.packed_weight, None
-        del self.weight
-        self.register_buffer("weight", packed, persistent=False)
+        _replace_weight(self, packed)
         return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -259,6 +257,13 @@ class ParallelLMHead(VocabParallelEmbedding):
             dist.all_gather(parts, logits)
             logits = torch.cat(parts, dim=-1)
         return logits
+
+
+def _replace_weight(layer: LinearBase | ParallelLMHead, packed: torch.Tensor) -> None:
+    """The plain weight is freed: its prepacked copy takes its place (a buffer: a packed
+    tensor is no Parameter)."""
+    del layer.weight
+    layer.register_buffer("weight", packed, persistent=False)
 
 
 def _no_panels(layer: LinearBase | ParallelLMHead) -> None:
