@@ -568,15 +568,18 @@ def test_an_interactive_job_stops_a_batch_only_step_and_no_token_changes(
     assert batcher.interrupts_steps
     writer.start()
     batcher.start()
-    line_params = {"max_tokens": 400, "ignore_eos": True, **GREEDY}
+    line_params = {"max_tokens": 1500, "ignore_eos": True, **GREEDY}
     try:
         line = insert_job(session_factory, model=model, prompt="a long batch line",
                           params=line_params, priority=BATCH_PRIORITY)
         assert admission.run(line) is GenerateOutcome.ADMITTED
         questions: dict[str, str] = {}
         # NOTE: one token each: an interactive job's own steps are never stopped, so they
-        # leave at once and the next one meets batch-only steps again
-        while engine.num_interrupted_steps == 0 and len(questions) < 60:
+        # leave at once and the next one meets batch-only steps again; tried for as long
+        # as the line runs (a loaded machine spends more of its time between steps)
+        deadline = time.monotonic() + 60.0
+        while (engine.num_interrupted_steps == 0 and time.monotonic() < deadline
+               and not JobStatus(read_job(session_factory, line).status).is_terminal):
             prompt = f"question {len(questions)}"
             job_id = insert_job(session_factory, model=model, prompt=prompt,
                                 params={"max_tokens": 1, **GREEDY})
