@@ -37,6 +37,7 @@ from tasks.params import SamplingParams
 from workers.engine import huge_pages
 from workers.engine.loader import load_checkpoint
 from workers.engine.model_runner import ModelRunner
+from workers.engine.models.layers import LinearBase, ParallelLMHead
 from workers.engine.step_io import ScheduledSequence, SchedulerOutput
 
 BLOCK_SIZE = 16
@@ -91,16 +92,16 @@ def read_bandwidth_on(threads: int) -> float:
     return read_bandwidth()
 
 
-def step_weight_bytes(model: torch.nn.Module, tied: bool) -> int:
-    """Bytes of parameters a decode step reads (the input embedding reads one row only,
-    unless it doubles as the output projection)."""
-    total = 0
+def step_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights a decode step reads: each projection's weight once, whichever
+    copy its calls take (plain, prepacked or panels: one size), and the norms; the input
+    embedding reads one row a token (tied, the LM head reads the table as a projection)."""
+    projections = [m for m in model.modules() if isinstance(m, LinearBase | ParallelLMHead)]
+    total = sum(m.weight.numel() * m.weight.element_size() for m in projections)
+    seen = {id(m.weight) for m in projections}
     for name, p in model.named_parameters():
-        if name == "model.embed_tokens.weight" and not tied:
-            continue
-        total += p.numel() * p.element_size()
-    # prepacked projection weights are buffers (kernels/linear.py)
-    total += sum(b.numel() * b.element_size() for b in model.buffers() if b.is_mkldnn)
+        if id(p) not in seen and not name.endswith("embed_tokens.weight"):
+            total += p.numel() * p.element_size()
     return total
 
 
@@ -218,7 +219,7 @@ def main() -> None:
         reads[threads] = read_bandwidth_on(threads)
     torch.set_num_threads(args.threads)
     read = max(reads.values())
-    weight_bytes = step_weight_bytes(loaded.model, config.tie_word_embeddings)
+    weight_bytes = step_weight_bytes(loaded.model)
     floor_ms = weight_bytes / read * 1e3
     copy_floor_ms = weight_bytes / bandwidth * 1e3
     print(describe())

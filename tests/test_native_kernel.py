@@ -624,9 +624,9 @@ def test_decode_steps_in_one_native_call_equal_the_layer_loop_bit_for_bit(
 def test_fp32_weights_the_native_kernel_takes_live_in_panels(tied, request, monkeypatch):
     """With the native kernel up to 4 rows and oneDNN's packed copies above, an fp32
     projection's weight is kept in panels for the native calls and its plain copy is freed
-    (no call reaches it), except an LM head tied to the input embedding, which keeps it
-    for the lookups. A call of each row count goes to the path the plan names, with the
-    exact product."""
+    (no call reaches it); an LM head tied to the input embedding frees it too, and the
+    embedding's lookups read the head's panels, the same rows bit for bit. A call of each
+    row count goes to the path the plan names, with the exact product."""
     from workers.engine.loader import load_checkpoint
     from workers.engine.model_runner import NATIVE_ROWS, ModelRunner
     from workers.engine.models.layers import LinearBase, ParallelLMHead, native_rows
@@ -635,6 +635,8 @@ def test_fp32_weights_the_native_kernel_takes_live_in_panels(tied, request, monk
         "tiny_qwen3_tied_dir" if tied else "tiny_qwen3_dir"), dtype="float32")
     plain = {name: m.weight.clone() for name, m in loaded.model.named_modules()
              if isinstance(m, LinearBase | ParallelLMHead)}
+    embedding = loaded.model.model.embed_tokens
+    table = embedding.weight.clone()
     runner = ModelRunner(loaded, kv_cache_bytes=1 << 20, linear_path="native")
     assert runner.panel_weights == len(plain) and runner.plain_rows is None
     calls = []
@@ -644,11 +646,7 @@ def test_fp32_weights_the_native_kernel_takes_live_in_panels(tied, request, monk
         if not isinstance(module, LinearBase | ParallelLMHead):
             continue
         assert module.panel_weight is not None and native_rows(module) == NATIVE_ROWS
-        if isinstance(module, LinearBase) or not tied:
-            assert module.weight.is_mkldnn and module.packed_weight is None
-        else:
-            assert module.weight is loaded.model.model.embed_tokens.weight
-            assert not module.weight.is_mkldnn and module.packed_weight is not None
+        assert module.weight.is_mkldnn and module.packed_weight is None
         for rows in (1, NATIVE_ROWS, NATIVE_ROWS + 1):
             calls.clear()
             x = torch.randn(rows, plain[name].shape[1])
@@ -659,6 +657,14 @@ def test_fp32_weights_the_native_kernel_takes_live_in_panels(tied, request, monk
                              else module.bias.double())
             assert torch.allclose(got.double(), exact, rtol=1e-5, atol=1e-4)
             assert calls == (["panels"] if rows <= NATIVE_ROWS else [])
+    # the lookups: from the head's panels (tied; no plain table left), else the table
+    assert (embedding.lookup_panels is loaded.model.lm_head.panel_weight) is tied
+    assert ("weight" in embedding._parameters) is not tied
+    ids = torch.tensor([[0, 5, table.shape[0] - 1], [17, 16, 15]])
+    assert torch.equal(embedding(ids), table[ids])
+    # plain [vocab, hidden] tensors left: the untied embedding's table alone
+    assert sum(t.shape == table.shape and not t.is_mkldnn for t in [
+        *loaded.model.parameters(), *loaded.model.buffers()]) == (not tied)
 
 
 def test_the_runner_gives_the_native_decoder_the_row_counts_where_whole_steps_run_faster(

@@ -281,7 +281,7 @@ class ModelRunner:
         num_packed = prepack_linears(self.model, plain_rows) if plan.prepack else 0
         num_native = use_native_kernel(self.model, plan.skinny_rows) if plan.skinny_rows else 0
         if self.panel_weights and num_packed and plain_rows is None:
-            drop_unused_plain_weights(self.model)  # an untied LM head's too
+            drop_unused_plain_weights(self.model)  # the LM head's (tied: lookups move)
         parts = []
         if num_native:
             parts.append(f"native kernel ({native.isa()}"

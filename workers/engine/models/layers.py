@@ -194,13 +194,33 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = tp_rank * self.num_local
         self.weight = _attach(nn.Parameter(torch.empty(self.num_local, hidden_size),
                                            requires_grad=False), self.weight_loader)
+        # the tied LM head's panels, once lookups read them and the plain weight is gone
+        # (`look_up_in_panels`); a buffer, so that it moves with them (into huge pages)
+        self.register_buffer("lookup_panels", None, persistent=False)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         shard = _shard(loaded, 0, self.tp_size, self.tp_rank)
         _check(param, shard)
         param.data.copy_(shard)
 
+    def look_up_in_panels(self, panels: torch.Tensor) -> None:
+        """Read rows from `panels` (`native.pack_panels` of this weight: the tied LM
+        head's) and free the plain weight, which the head no longer reads either. Lookups
+        then copy the same values from a strided layout: a prompt of 2,048 tokens of a
+        1,024-wide model takes ~25 ms instead of 5, a decode step's rows well under a
+        millisecond. One rank only (no vocabulary split)."""
+        if self.tp_size != 1:
+            raise ValueError("panels hold a whole vocabulary: one rank only")
+        self.lookup_panels = panels
+        del self.weight
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        panels = self.lookup_panels
+        if panels is not None:  # wp[p, k, j] = weight[p * width + j, k]
+            width = panels.shape[2]
+            ids = input_ids.reshape(-1)
+            rows = panels[torch.div(ids, width, rounding_mode="floor"), :, ids % width]
+            return rows.reshape(*input_ids.shape, panels.shape[1])
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.vocab_start
@@ -231,8 +251,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         made one. `plain_rows`: as `LinearBase.prepack`'s split.
 
         NOTE: the weight stays: tied to the input embedding it must stay row-major for
-        lookups. The copy costs vocab x hidden elements and gives the largest single GEMM
-        of a decode step (the logits) the faster kernel (docs/benchmarks.md, CPU speed)."""
+        lookups (until `drop_unused_plain_weights` moves those to the panels). The copy
+        costs vocab x hidden elements and gives the largest single GEMM of a decode step
+        (the logits) the faster kernel (docs/benchmarks.md, CPU speed)."""
         if self.packed_weight is not None or not dense.can_prepack(self.weight):
             return False
         self.packed_weight = dense.prepack(self.weight)
@@ -241,8 +262,9 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def drop_plain_weight(self) -> bool:
         """Free the plain weight once no call reaches it: the panels take the native
-        kernel's rows and the prepacked copy every call above them. The caller checks the
-        weight is not also the input embedding's (tied). True if it did."""
+        kernel's rows and the prepacked copy every call above them. The caller checks no
+        other module reads the weight (a tied input embedding looks up in the panels
+        first). True if it did."""
         if self.panel_weight is None or self.packed_weight is None \
                 or self.plain_rows > self.skinny_rows:
             return False
@@ -342,14 +364,28 @@ def prepack_linears(model: nn.Module, plain_rows: int | None = None) -> int:
 
 def drop_unused_plain_weights(model: nn.Module) -> int:
     """Free the plain weight of every LM head of `model` that its panels and prepacked
-    copy serve alone (`ParallelLMHead.drop_plain_weight`), unless another module shares
-    it (tied to the input embedding); returns how many. (A linear layer's plain weight
-    goes in `prepack` itself.)"""
-    uses: dict[int, int] = {}
-    for _, param in model.named_parameters(remove_duplicate=False):
-        uses[id(param)] = uses.get(id(param), 0) + 1
-    return sum(module.drop_plain_weight() for module in model.modules()
-               if isinstance(module, ParallelLMHead) and uses.get(id(module.weight)) == 1)
+    copy serve alone (`ParallelLMHead.drop_plain_weight`); returns how many. A head tied
+    to the input embedding frees it too when that embedding is the only other module
+    reading it and holds the whole vocabulary: its lookups then read the head's panels
+    (`VocabParallelEmbedding.look_up_in_panels`), so the weight is held twice (panels,
+    prepacked), not three times. (A linear layer's plain weight goes in `prepack`.)"""
+    readers: dict[int, list[nn.Module]] = {}
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        if weight is not None:
+            readers.setdefault(id(weight), []).append(module)
+    dropped = 0
+    for head in [m for m in model.modules() if isinstance(m, ParallelLMHead)]:
+        weight = head._parameters.get("weight")
+        others = [m for m in readers.get(id(weight), []) if m is not head]
+        tied = [m for m in others if type(m) is VocabParallelEmbedding and m.tp_size == 1]
+        if weight is None or len(tied) != len(others) or len(tied) > 1:
+            continue
+        if head.drop_plain_weight():
+            for embedding in tied:
+                embedding.look_up_in_panels(head.panel_weight)
+            dropped += 1
+    return dropped
 
 
 # bytes of projection weights the start-up timing of the linear paths streams per pass
