@@ -243,6 +243,16 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
+def panel_rows(panels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (any shape) of the weight `panels` = `pack_panels(weight)` holds:
+    weight[ids], [*ids.shape, in], the same values read from the panels' strided layout
+    (a lookup where the panels are the only copy left)."""
+    width = panels.shape[2]
+    flat = ids.reshape(-1)
+    rows = panels[torch.div(flat, width, rounding_mode="floor"), :, flat % width]
+    return rows.reshape(*ids.shape, panels.shape[1])
+
+
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ weight^T + bias` for fp32 x [M, in], with `panels` = `pack_panels(weight)` and

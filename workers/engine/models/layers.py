@@ -215,12 +215,8 @@ class VocabParallelEmbedding(nn.Module):
         del self.weight
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        panels = self.lookup_panels
-        if panels is not None:  # wp[p, k, j] = weight[p * width + j, k]
-            width = panels.shape[2]
-            ids = input_ids.reshape(-1)
-            rows = panels[torch.div(ids, width, rounding_mode="floor"), :, ids % width]
-            return rows.reshape(*input_ids.shape, panels.shape[1])
+        if self.lookup_panels is not None:
+            return native.panel_rows(self.lookup_panels, input_ids)
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.vocab_start
