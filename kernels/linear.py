@@ -68,9 +68,26 @@ def onednn_packs_bf16() -> bool:
 
 
 def prepack(weight: torch.Tensor) -> torch.Tensor:
-    """oneDNN's blocked copy of `weight` [out, in] (call only when `can_prepack`)."""
+    """oneDNN's blocked copy of `weight` [out, in] (call only when `can_prepack`; a bf16
+    weight where `can_prepack_widened`: its fp32 copy, which `linear` takes for bf16 x)."""
     with torch.inference_mode(False), torch.no_grad():
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
+        weight = weight.detach()
+        if can_prepack_widened(weight):
+            weight = weight.float()
+        return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
+
+
+def can_prepack_widened(weight: torch.Tensor) -> bool:
+    """True for a bf16 CPU weight that cannot be prepacked as bf16 here (no bf16 dot
+    products) but whose fp32 copy can: a prepacked fp32 copy computes the calls of many
+    rows as `widened_linear` does, without widening the weight on every call (Zen 3, a
+    pass over the 100m model's weights: 32 rows 78 against 201 ms, 64 rows 127 against
+    256, 256 rows 406 against 509; docs/benchmarks.md). It doubles the
+    weight's bytes on top of the plain bf16 weight the native kernel keeps reading at few
+    rows, so the runner packs these copies only where they fit in memory."""
+    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+            and weight.dim() == 2 and not weight.is_mkldnn and not packs_dtype(torch.bfloat16)
+            and packs_dtype(torch.float32))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -80,6 +97,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     (kernels/native.py), larger ones with torch's `linear` (a bf16 weight on a CPU
     without native bf16: `widened_linear`)."""
     if weight.is_mkldnn:
+        if weight.dtype != x.dtype:  # a bf16 weight's widened copy: as `widened_linear`
+            out = torch.ops.mkldnn._linear_pointwise(
+                x.float(), weight, None if bias is None else bias.float(), "none", [], "")
+            return out.to(x.dtype)
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     if x.shape[0] <= skinny_rows:
         return native.skinny_linear(x, weight, bias)
@@ -114,11 +135,12 @@ def probe_batch_sizes(weights: list[torch.Tensor]) -> tuple[int, ...]:
 
 
 def time_paths(weights: list[torch.Tensor], batch_sizes: tuple[int, ...] | None = None,
-               rounds: int = 7) -> dict[int, dict[str, float]]:
+               rounds: int = 7, widen: bool = False) -> dict[int, dict[str, float]]:
     """Per batch size M, per path: the median seconds of `x [M, in] @ w^T` summed over
     `weights`. Paths: "reference" (torch's `linear`), "prepacked" (oneDNN, when every
-    weight can be packed), "native" (kernels/native.py, when it builds here: fp32 weights
-    packed in panels where `native.panels_supported`, else the plain weights).
+    weight can be packed; with `widen`, bf16 weights' fp32 copies where
+    `can_prepack_widened`), "native" (kernels/native.py, when it builds here: fp32
+    weights packed in panels where `native.panels_supported`, else the plain weights).
 
     Which path wins depends on the CPU, the dtype, M and the threads (on a Xeon with AMX,
     fp32 at M=1 reads faster through MKL; bf16 through oneDNN at every M; on Zen 4 the
@@ -129,7 +151,7 @@ def time_paths(weights: list[torch.Tensor], batch_sizes: tuple[int, ...] | None 
     # per path, one function per weight: x -> x @ w^T
     calls: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {
         "reference": [functools.partial(linear, weight=w) for w in weights]}
-    if all(can_prepack(w) for w in weights):
+    if all(can_prepack(w) or (widen and can_prepack_widened(w)) for w in weights):
         calls["prepacked"] = [functools.partial(linear, weight=prepack(w)) for w in weights]
     if weights and all(native.panels_supported(w) for w in weights):
         calls["native"] = [functools.partial(native.panel_linear, panels=native.pack_panels(w),

@@ -346,6 +346,7 @@ def test_prepacked_linear_equals_torch_linear(dtype, bias):
     if dtype == torch.bfloat16 and not has_native_bf16():
         # no bf16 dot products: oneDNN refuses to pack bf16 (AVX2) or would emulate it
         # slower than the native kernel (AVX-512 without BF16): the weight stays plain
+        # (its fp32 copy can be packed: the next test)
         assert not dense.can_prepack(weight)
         return
     assert dense.can_prepack(weight)
@@ -362,6 +363,35 @@ def test_prepacked_linear_equals_torch_linear(dtype, bias):
         scale = ref.float().abs().max().item()
         assert (ours.float() - ref.float()).abs().max().item() <= tol * scale
     assert not dense.can_prepack(weight.half())  # no fast fp16 path on CPU: reference
+
+
+def test_a_prepacked_fp32_copy_of_a_bf16_weight_computes_as_the_widened_linear():
+    """Where bf16 has no dot products, a bf16 weight's prepacked copy is fp32: bf16 rows
+    are multiplied in fp32 and rounded once, as `widened_linear` does (oneDNN sums in
+    another order than MKL: within one bf16 step); elsewhere no copy is widened."""
+    from kernels import linear as dense
+    from kernels.cpu import has_native_bf16
+
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(96, 64, generator=gen).bfloat16()
+    bias = torch.randn(96, generator=gen).bfloat16()
+    if has_native_bf16() or not dense.packs_dtype(torch.float32):
+        assert not dense.can_prepack_widened(weight)
+        return
+    assert dense.can_prepack_widened(weight) and not dense.can_prepack(weight)
+    assert not dense.can_prepack_widened(weight.float())
+    packed = dense.prepack(weight)
+    assert packed.is_mkldnn and packed.dtype == torch.float32
+    assert not dense.can_prepack_widened(packed)
+    for b in (None, bias):
+        for shape in [(1, 64), (17, 64), (300, 64), (2, 5, 64)]:
+            x = torch.randn(*shape, generator=gen).bfloat16()
+            with torch.inference_mode():
+                got = dense.linear(x, packed, b)
+                want = dense.widened_linear(x.reshape(-1, 64), weight, b).reshape(got.shape)
+            assert got.dtype == torch.bfloat16 and got.shape == (*shape[:-1], 96)
+            assert torch.allclose(got.float(), want.float(), rtol=2 ** -7, atol=1e-3)
+            assert (got != want).float().mean() <= 0.02
 
 
 @pytest.mark.parametrize("rows", [1, 17, 300])
@@ -445,9 +475,9 @@ def test_runner_times_both_linear_paths_at_start_up_and_takes_the_faster(
     assert set(probe) == set(probe_batch_sizes([weight]))
     packed = [b for b in loaded.model.buffers() if b.is_mkldnn]
     plan = choose_plan(probe)
-    if not dense.can_prepack(weight):
-        # nothing to pack here (bf16 without bf16 dot products): torch's linear and the
-        # native kernel are timed
+    if not (dense.can_prepack(weight) or runner.widen and dense.can_prepack_widened(weight)):
+        # nothing to pack here (bf16 without bf16 dot products, with no memory for fp32
+        # copies): torch's linear and the native kernel are timed
         assert all("prepacked" not in t for t in probe.values()) and not packed
         assert runner.linear_path == plan.name and plan.name in ("native", "reference")
         return
@@ -466,6 +496,52 @@ def test_runner_times_both_linear_paths_at_start_up_and_takes_the_faster(
     forced = ModelRunner(load_checkpoint(tiny_qwen3_tied_dir, dtype=dtype),
                          kv_cache_bytes=1 << 20, linear_path="reference")
     assert forced.linear_path == "reference" and forced.linear_probe == {}
+
+
+def test_bf16_weights_get_fp32_copies_only_where_they_fit_in_memory(
+        tiny_qwen3_tied_dir, monkeypatch):
+    """Without bf16 dot products, a plan that prepacks gives bf16 weights fp32 copies
+    beside the plain ones, while those copies take at most the set share of the memory
+    available; then logits stay within bf16 rounding of torch's paths."""
+    from kernels import linear as dense
+    from workers.engine import model_runner
+    from workers.engine.loader import load_checkpoint
+    from workers.engine.model_runner import ModelRunner
+    from workers.engine.models.layers import LinearBase, ParallelLMHead
+
+    loaded = load_checkpoint(tiny_qwen3_tied_dir, dtype="bfloat16")
+    assert not model_runner.widened_copies_fit(
+        load_checkpoint(tiny_qwen3_tied_dir, dtype="float32").model)
+    if not dense.can_prepack_widened(torch.empty(2, 2, dtype=torch.bfloat16)):
+        assert not model_runner.widened_copies_fit(loaded.model)  # nothing to widen here
+        return
+    layers = [m for m in loaded.model.modules() if isinstance(m, LinearBase | ParallelLMHead)]
+    copies = 2 * sum(w.numel() * 2 for w in {id(m.weight): m.weight for m in layers}.values())
+    share = model_runner.WIDENED_COPIES_MEMORY_SHARE
+    for available, fits in ((None, False), (int(copies / share) - 1024, False),
+                            (int(copies / share) + 1024, True)):
+        monkeypatch.setattr(model_runner, "available_memory", lambda a=available: a)
+        assert model_runner.widened_copies_fit(loaded.model) is fits
+    ids = torch.tensor([5, 6, 7] * 12)
+    with torch.inference_mode():
+        hidden = loaded.model.model.embed_tokens(ids)
+        want = loaded.model.compute_logits(hidden)  # torch's paths
+        monkeypatch.setattr(model_runner, "available_memory", lambda: 0)
+        runner = ModelRunner(loaded, kv_cache_bytes=1 << 20, linear_path="native")
+        assert not runner.widen and runner.widened_weights == 0
+        assert all(m.packed_weight is None and not m.weight.is_mkldnn for m in layers)
+
+        loaded = load_checkpoint(tiny_qwen3_tied_dir, dtype="bfloat16")
+        layers = [m for m in loaded.model.modules()
+                  if isinstance(m, LinearBase | ParallelLMHead)]
+        monkeypatch.setattr(model_runner, "available_memory", lambda: 1 << 40)
+        runner = ModelRunner(loaded, kv_cache_bytes=1 << 20, linear_path="native")
+        assert runner.widen and runner.widened_weights == len(layers)
+        # the plain bf16 weights stay for the native kernel's rows
+        assert all(m.weight.dtype == torch.bfloat16 and not m.weight.is_mkldnn
+                   and m.packed_weight.dtype == torch.float32 for m in layers)
+        got = loaded.model.compute_logits(hidden)  # 36 rows: the fp32 copy
+        assert torch.allclose(got.float(), want.float(), rtol=2 ** -7, atol=1e-2)
 
 
 def test_bf16_decodes_equal_fp32_attention_within_bf16_rounding():

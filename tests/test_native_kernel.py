@@ -187,7 +187,8 @@ def test_the_runner_times_three_paths_and_applies_the_plan(tiny_qwen3_tied_dir, 
     bf16 = torch.empty(2, 2, dtype=torch.bfloat16)
     # (and 32, 64 rows where the CPU has no bf16 dot product)
     assert set(times) == set(dense.probe_batch_sizes([bf16]))
-    paths = {"reference", "native"} | ({"prepacked"} if dense.can_prepack(bf16) else set())
+    packs = dense.can_prepack(bf16) or runner.widen and dense.can_prepack_widened(bf16)
+    paths = {"reference", "native"} | ({"prepacked"} if packs else set())
     assert all(set(by_path) == paths and
                all(t > 0 for t in by_path.values()) for by_path in times.values())
     plan = dense.choose_plan(times)

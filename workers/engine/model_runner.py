@@ -44,6 +44,9 @@ SLOW_STEP_SECONDS = 0.25
 # where a step's Python between the calls is most of it (the `small` preset in bf16, 64
 # rows: 3.36 -> 2.28 ms on a Xeon with AMX), the decoder wins beyond 16 rows
 DECODER_PROBE_ROWS = (32, 64)
+# bf16 weights on a CPU without bf16 dot products get fp32 prepacked copies for the calls
+# of many rows only while those copies take at most this share of the memory available
+WIDENED_COPIES_MEMORY_SHARE = 0.5
 
 
 class ModelRunner:
@@ -108,6 +111,10 @@ class ModelRunner:
         self.linear_probe: dict[int, dict[str, float]] = {}
         self.huge_page_bytes = 0  # weights moved into huge pages (CPU)
         self.panel_weights = 0  # fp32 weights packed in panels for the native kernel
+        # bf16 weights without bf16 dot products: fp32 prepacked copies may be made for
+        # the calls of many rows (`widened_copies_fit`); how many were
+        self.widen = self.device.type == "cpu" and widened_copies_fit(self.model)
+        self.widened_weights = 0
         # per prefetch distance of the native kernel's one-row stream (bytes), the seconds
         # of a one-row pass timed at start-up, when they were (the fastest is kept)
         self.row_prefetch_probe: dict[int, float] = {}
@@ -159,7 +166,7 @@ class ModelRunner:
         if not weights:
             return dense.LinearPlan("reference")
         started = time.perf_counter()
-        self.linear_probe = times = dense.time_paths(weights)
+        self.linear_probe = times = dense.time_paths(weights, widen=self.widen)
         probe_seconds = time.perf_counter() - started
         plan = dense.choose_plan(times)
         logger.info("linear paths timed on %s, %s, %d threads, %d weights in %.1f s "
@@ -278,7 +285,12 @@ class ModelRunner:
         plain_rows = plan.plain_rows
         if self.panel_weights and plain_rows is not None and plain_rows <= plan.skinny_rows:
             plain_rows = self.plain_rows = None
-        num_packed = prepack_linears(self.model, plain_rows) if plan.prepack else 0
+        num_packed = prepack_linears(self.model, plain_rows, self.widen) if plan.prepack else 0
+        self.widened_weights = sum(
+            1 for module in self.model.modules()
+            if isinstance(module, LinearBase | ParallelLMHead)
+            and any(w is not None and w.is_mkldnn and w.dtype != self.dtype
+                    for w in (module.weight, module.packed_weight)))
         num_native = use_native_kernel(self.model, plan.skinny_rows) if plan.skinny_rows else 0
         if self.panel_weights and num_packed and plain_rows is None:
             drop_unused_plain_weights(self.model)  # the LM head's (tied: lookups move)
@@ -290,8 +302,9 @@ class ModelRunner:
         if num_packed and plain_rows is not None and plain_rows > plan.skinny_rows:
             parts.append(f"torch's linear up to {plain_rows} rows")
         if num_packed:
-            parts.append(f"oneDNN prepacked above ({num_packed} weights)" if parts
-                         else f"{num_packed} weights prepacked for oneDNN")
+            widened = f", {self.widened_weights} as fp32 copies" if self.widened_weights else ""
+            parts.append(f"oneDNN prepacked above ({num_packed} weights{widened})" if parts
+                         else f"{num_packed} weights prepacked for oneDNN{widened}")
         elif parts:
             parts.append("torch's linear above")
         logger.info("linear path on %s, %s: %s (%s)", self.device, self.dtype, plan.name,
@@ -446,6 +459,39 @@ class ModelRunner:
                 rows.append(row - 1)
                 seqs.append(seq)
         return rows, seqs
+
+
+def widened_copies_fit(model: torch.nn.Module) -> bool:
+    """True when fp32 copies of `model`'s bf16 projection weights that cannot be packed as
+    bf16 on this CPU (`dense.can_prepack_widened`: no bf16 dot products) would take at
+    most `WIDENED_COPIES_MEMORY_SHARE` of the memory available now; False when there are
+    none. The plain bf16 weights stay for the native kernel's few rows, so the copies add
+    twice their bytes."""
+    weights = {id(m.weight): m.weight for m in model.modules()
+               if isinstance(m, LinearBase | ParallelLMHead)
+               and dense.can_prepack_widened(m.weight)}
+    copies = sum(2 * w.numel() * w.element_size() for w in weights.values())
+    if not copies:
+        return False
+    available = available_memory()
+    fits = available is not None and copies <= WIDENED_COPIES_MEMORY_SHARE * available
+    if not fits:
+        logger.info("bf16 weights stay plain for every call: fp32 copies for the calls of "
+                    "many rows would take %.1f GB of %s available", copies / 1e9,
+                    "unknown" if available is None else f"{available / 1e9:.1f} GB")
+    return fits
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to start new work (/proc/meminfo MemAvailable), None
+    where that is unknown."""
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def linear_path_setting() -> str:

@@ -76,11 +76,12 @@ class LinearBase(nn.Module):
         """See `_pack_panels`."""
         return _pack_panels(self)
 
-    def prepack(self, plain_rows: int | None = None) -> bool:
+    def prepack(self, plain_rows: int | None = None, widen: bool = False) -> bool:
         """Swap the loaded weight for its prepacked copy (CPU; kernels/linear.py), or with
-        `plain_rows` keep both (a split); True if it did. The layer can compute
-        afterwards, not load weights or move."""
-        if self.packed_weight is not None or not dense.can_prepack(self.weight):
+        `plain_rows` keep both (a split); True if it did. `widen`: a bf16 weight on a CPU
+        without bf16 dot products gets an fp32 copy (`dense.can_prepack_widened`). The
+        layer can compute afterwards, not load weights or move."""
+        if self.packed_weight is not None or not _packs(self.weight, widen):
             return False
         packed = dense.prepack(self.weight)
         if plain_rows is not None:
@@ -242,15 +243,15 @@ class ParallelLMHead(VocabParallelEmbedding):
         """See `_pack_panels` (the plain weight stays, as for `prepack`)."""
         return _pack_panels(self)
 
-    def prepack(self, plain_rows: int | None = None) -> bool:
+    def prepack(self, plain_rows: int | None = None, widen: bool = False) -> bool:
         """Keep a prepacked copy of the projection beside the weight (CPU); True if it
-        made one. `plain_rows`: as `LinearBase.prepack`'s split.
+        made one. `plain_rows`, `widen`: as for `LinearBase.prepack`.
 
         NOTE: the weight stays: tied to the input embedding it must stay row-major for
         lookups (until `drop_unused_plain_weights` moves those to the panels). The copy
         costs vocab x hidden elements and gives the largest single GEMM of a decode step
         (the logits) the faster kernel (docs/benchmarks.md, CPU speed)."""
-        if self.packed_weight is not None or not dense.can_prepack(self.weight):
+        if self.packed_weight is not None or not _packs(self.weight, widen):
             return False
         self.packed_weight = dense.prepack(self.weight)
         self.plain_rows = plain_rows or 0
@@ -275,6 +276,10 @@ class ParallelLMHead(VocabParallelEmbedding):
             dist.all_gather(parts, logits)
             logits = torch.cat(parts, dim=-1)
         return logits
+
+
+def _packs(weight: torch.Tensor, widen: bool) -> bool:
+    return dense.can_prepack(weight) or (widen and dense.can_prepack_widened(weight))
 
 
 def _replace_weight(layer: LinearBase | ParallelLMHead, packed: torch.Tensor) -> None:
@@ -349,12 +354,14 @@ def pack_panels(model: nn.Module) -> int:
                if isinstance(module, LinearBase | ParallelLMHead))
 
 
-def prepack_linears(model: nn.Module, plain_rows: int | None = None) -> int:
+def prepack_linears(model: nn.Module, plain_rows: int | None = None,
+                    widen: bool = False) -> int:
     """Prepack the weight of every linear layer and LM head of `model` that can take the
     CPU's prepacked path; returns how many did. With `plain_rows`, keep the plain weights
-    too and give them the calls of at most that many rows (a split). Call once the
-    weights are loaded and on their device; calling again changes nothing."""
-    return sum(module.prepack(plain_rows) for module in model.modules()
+    too and give them the calls of at most that many rows (a split); with `widen`, bf16
+    weights on a CPU without bf16 dot products get fp32 copies. Call once the weights are
+    loaded and on their device; calling again changes nothing."""
+    return sum(module.prepack(plain_rows, widen) for module in model.modules()
                if isinstance(module, LinearBase | ParallelLMHead))
 
 
