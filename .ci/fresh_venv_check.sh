@@ -17,5 +17,5 @@ python -m venv "$venv"
 "$venv/bin/python" -m pip install -q -e ".[dev]"
 "$venv/bin/llmq" --version
 LLMQ_TEST_PROBE_SERVICES=false LLMQ_TEST_PG_BIN_DIR=/nonexistent \
-    "$venv/bin/python" -m pytest -q -p no:cacheprovider \
+    "$venv/bin/python" -m pytest -q -n 2 -p no:cacheprovider \
     tests/test_settings.py tests/test_api_jobs.py tests/test_maintenance.py tests/test_cli.py

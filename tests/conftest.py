@@ -1,6 +1,9 @@
 """Shared fixtures. Model checkpoints and services each live in their own plugin module."""
 
+import fcntl
 import os
+from collections.abc import Iterator
+from typing import IO
 
 import pytest
 
@@ -30,3 +33,32 @@ def _kernel_choices_restored():
     dispatch._overrides.update(overrides)
     dispatch._chosen.clear()
     dispatch._chosen.update(chosen)
+
+
+@pytest.fixture(scope="session")
+def _alone_lock(tmp_path_factory: pytest.TempPathFactory) -> Iterator[IO[str] | None]:
+    """Under pytest-xdist (the README's `-n 2`), a file every test process of the run
+    opens: its flock keeps the tests marked `alone` from sharing the machine. None in a
+    run of one process."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield None
+        return
+    # the parent of a test process's base directory is the run's, shared by them all
+    with open(tmp_path_factory.getbasetemp().parent / "alone.lock", "a") as lock:
+        yield lock
+
+
+@pytest.fixture(autouse=True)
+def _alone_when_marked(request: pytest.FixtureRequest, _alone_lock: IO[str] | None):
+    """A test marked `alone` (it asserts a latency or a deadline) holds the run's lock
+    exclusively, every other test shares it: the marked test starts once the other test
+    process's current test ends, and that process waits for it before its next one."""
+    if _alone_lock is None:
+        yield
+        return
+    alone = request.node.get_closest_marker("alone") is not None
+    fcntl.flock(_alone_lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+    try:
+        yield
+    finally:
+        fcntl.flock(_alone_lock, fcntl.LOCK_UN)

@@ -68,6 +68,7 @@ def test_a_waiting_interactive_job_holds_batch_lines_back():
 
 
 @pytest.mark.integration
+@pytest.mark.alone
 def test_an_interactive_request_behind_a_batch_does_not_wait_for_it(
         start_web, service_settings, redis_client, session_factory, tmp_path):
     """A group of 4 sequences busy with long batch lines (and more queued): an interactive

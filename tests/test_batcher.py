@@ -446,6 +446,7 @@ def _result(job_id: str, background: bool) -> JobResult:
                      background=background)
 
 
+@pytest.mark.alone
 def test_batch_lines_results_wait_to_share_a_write_and_an_interactive_one_does_not(
         service_settings, session_factory, redis_client, monkeypatch):
     """Results of batch lines finishing one after another go out in one transaction; an

@@ -167,6 +167,7 @@ def test_a_worker_that_vanishes_still_gets_its_queued_results_written(
         assert read_job(session_factory, job_id).status == JobStatus.SUCCEEDED.value
 
 
+@pytest.mark.alone
 def test_a_dead_database_process_is_reported_and_later_writes_fail_fast(link):
     db, _, _, exits, _ = link
     db._process.kill()

@@ -6,6 +6,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from tasks.params import SamplingParams
 from workers.admitted import AdmittedJob
 from workers.cancel_requests import EARLY_CANCEL_SECONDS, PRUNE_ABOVE, CancelRequests
@@ -96,6 +98,7 @@ def test_drain_waits_for_the_ledger_then_stop_reaches_the_loop():
     assert inbox.figures() == (0, 0)
 
 
+@pytest.mark.alone
 def test_wait_wakes_on_work_from_another_thread():
     inbox = JobInbox(capacity=2)
     threading.Timer(0.05, inbox.cancel, ("x",)).start()

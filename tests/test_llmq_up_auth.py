@@ -36,6 +36,7 @@ def _llmq(*args: str, cwd: Path, env: dict[str, str], timeout: float = 120) -> \
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.alone
 def test_up_with_auth_keys_from_the_same_directory_lock_and_prompt_stop(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLMQ_")}
     env.update({"PYTHONPATH": str(REPO), "LLMQ_AUTH_ENABLED": "true",

@@ -69,6 +69,7 @@ def _open_gauge(url: str) -> int:
     return int(float(match.group(1)))
 
 
+@pytest.mark.alone
 def test_two_thousand_idle_streams_leave_the_api_responsive(web_url, session_factory):
     jobs = [submit(web_url, prompt=f"idle {i}", max_tokens=4)["id"] for i in range(20)]
     socks = _open_streams(web_url, jobs, NUM_STREAMS)

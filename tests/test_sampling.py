@@ -289,6 +289,7 @@ def best_time(fn, repeats: int = 15) -> float:
     return best
 
 
+@pytest.mark.alone
 def test_python_overhead_of_a_batch_of_64_is_small() -> None:
     # A tiny vocabulary makes the tensor work negligible: what is left is the per-step
     # Python cost, which must not grow into the step time of a real model. One intra-op

@@ -97,6 +97,7 @@ def test_kv_blocks_gather_and_scatter_over_ranks(tp_runner):
         tp_runner.write_blocks([(3, blobs[0][:100])])
 
 
+@pytest.mark.alone
 def test_a_dead_rank_fails_the_step_and_every_later_one(tp_runner):
     from workers.engine.parallel import TensorParallelError
 
