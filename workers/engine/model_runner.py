@@ -486,9 +486,10 @@ def available_memory() -> int | None:
     """Bytes of memory available to start new work (/proc/meminfo MemAvailable), None
     where that is unknown."""
     try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
     except OSError:
         return None
     return None
