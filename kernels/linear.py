@@ -98,9 +98,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     without native bf16: `widened_linear`)."""
     if weight.is_mkldnn:
         if weight.dtype != x.dtype:  # a bf16 weight's widened copy: as `widened_linear`
-            out = torch.ops.mkldnn._linear_pointwise(
-                x.float(), weight, None if bias is None else bias.float(), "none", [], "")
-            return out.to(x.dtype)
+            return linear(x.float(), weight, None if bias is None else bias.float()).to(x.dtype)
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     if x.shape[0] <= skinny_rows:
         return native.skinny_linear(x, weight, bias)

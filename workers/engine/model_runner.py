@@ -286,11 +286,8 @@ class ModelRunner:
         if self.panel_weights and plain_rows is not None and plain_rows <= plan.skinny_rows:
             plain_rows = self.plain_rows = None
         num_packed = prepack_linears(self.model, plain_rows, self.widen) if plan.prepack else 0
-        self.widened_weights = sum(
-            1 for module in self.model.modules()
-            if isinstance(module, LinearBase | ParallelLMHead)
-            and any(w is not None and w.is_mkldnn and w.dtype != self.dtype
-                    for w in (module.weight, module.packed_weight)))
+        # (where copies are widened, bf16 cannot be packed as bf16: every packed one is)
+        self.widened_weights = num_packed if self.widen else 0
         num_native = use_native_kernel(self.model, plan.skinny_rows) if plan.skinny_rows else 0
         if self.panel_weights and num_packed and plain_rows is None:
             drop_unused_plain_weights(self.model)  # the LM head's (tied: lookups move)
