@@ -11,7 +11,10 @@ In one run, on one random checkpoint (written with `workers.engine.make_model`):
    Postgres and Redis; `--num-jobs` clients each POST a job and read its SSE stream to
    the end, all concurrently: output tokens/s from the first POST to the last terminal
    event, and per-token delivery latency = SSE client receive time - the batcher's publish
-   time (`ts` of the token event; same host, same clock);
+   time (`ts` of the token event; same host, same clock). A job's tokens after its first
+   go out at most once per `LLMQ_STREAM_INTERVAL_SECONDS` (the worker's setting, taken
+   from the environment: 0 sends every step's tokens), so a token can also wait up to that
+   interval before its event is published;
 3. submissions/s: `--submit-jobs` POSTs from `--submit-threads` threads for a model no
    worker serves (the rows stay queued; only the API, Postgres and the broker are timed).
 
@@ -45,6 +48,7 @@ sys.path.insert(0, str(REPO))
 
 from bench_services import add_service_args, create_scratch, drop_scratch  # noqa: E402
 
+from kernels.cpu import describe as describe_cpu  # noqa: E402
 from tasks.protocol import groups_key  # noqa: E402
 from tasks.redis_client import make_redis  # noqa: E402
 from tasks.settings import Settings  # noqa: E402
@@ -570,7 +574,12 @@ def main(argv: list[str] | None = None) -> int:
         ("the worker's batcher thread over the run's wall time (last round): on a core; "
          "runnable, waiting for one; the rest asleep (GIL, work, I/O)",
          f"{100 * on_core:.0f}%; {100 * waiting:.0f}%; {100 * (1 - on_core - waiting):.0f}%"),
-        ("machine", f"{os.cpu_count()} cores, 1-min load average {load:.1f} at the end"),
+        ("token events per output token, last round (stream interval "
+         f"{Settings().stream_interval_seconds * 1000:g} ms: a job's first token at once, "
+         "then at most one event per interval)",
+         f"{p['num_token_events'] / p['tokens']:.2f}"),
+        ("machine", f"{describe_cpu()}; {os.cpu_count()} cores, 1-min load average "
+                    f"{load:.1f} at the end"),
     ]
     print("\n| | |\n| --- | --- |\n" + "\n".join(f"| {k} | {v} |" for k, v in rows) + "\n")
     if args.json:

@@ -86,6 +86,10 @@ class Settings(BaseSettings):
     queue_timeout_seconds: float | None = Field(None, gt=0)
     stream_ttl_seconds: int = Field(24 * 3600, ge=1)
     sse_heartbeat_seconds: float = Field(15.0, gt=0)
+    # after a streaming job's first token, its token events go out at most once per this
+    # many seconds per sample, each with every token made since (0: one event per step);
+    # with steps slower than this nothing waits (workers/token_coalescer.py)
+    stream_interval_seconds: float = Field(0.02, ge=0, le=1.0)
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     max_n: int = Field(8, ge=1, le=MAX_N_LIMIT)
     # the Batch API: an uploaded file's size (OpenAI's 200 MB), a batch's lines (OpenAI's

@@ -606,3 +606,65 @@ def test_an_interactive_job_stops_a_batch_only_step_and_no_token_changes(
     for job_id, prompt in list(questions.items())[-3:]:
         assert rows[job_id].output[0]["token_ids"] == alone(prompt,
                                                             {"max_tokens": 1, **GREEDY})
+
+
+class SlowEngine(FlakyEngine):
+    """The real engine with steps of at least `seconds` (a model slower than the tiny one)."""
+
+    def __init__(self, engine: Any, seconds: float) -> None:
+        super().__init__(engine)
+        self.seconds = seconds
+
+    def step(self):
+        started = time.monotonic()
+        deltas = super().step()
+        time.sleep(max(0.0, self.seconds - (time.monotonic() - started)))
+        return deltas
+
+
+def test_a_streaming_job_gets_its_first_token_at_once_then_one_event_per_interval(
+        service_settings, session_factory, redis_client, tiny_engine):
+    """`stream_interval`: the first token alone, then events at least the interval apart
+    (the stream's entry ids carry Redis's clock in ms), every token in order, and one event
+    per step again with steps slower than the interval."""
+    settings = service_settings.with_overrides(lease_renew_seconds=0.2, lease_seconds=5.0)
+    group_id = f"test-group-{uuid.uuid4().hex[:6]}"
+    publisher = EventPublisher(redis_client, settings)
+    writer = DbWriter(settings, session_factory, publisher.publish, lambda _: None, group_id)
+    engine = SlowEngine(tiny_engine, 0.01)
+    interval = 0.06
+    batcher = Batcher(engine, publisher, writer, capacity=4, progress_interval=0.1,
+                      stream_interval=interval)
+    admission = JobAdmission(settings, _claims(settings, session_factory, redis_client, writer,
+                                               group_id), batcher, writer, group_id,
+                             lambda _: None)
+    writer.start()
+    batcher.start()
+    params = {"max_tokens": 40, "ignore_eos": True, **GREEDY}
+    try:
+        fast = insert_job(session_factory, prompt="hello world", params=params)
+        assert admission.run(fast) is GenerateOutcome.ADMITTED
+        row = wait_terminal(session_factory, fast)
+        engine.seconds = interval * 1.5  # steps slower than the interval: nothing waits
+        slow = insert_job(session_factory, prompt="hello there",
+                          params={**params, "max_tokens": 4})
+        assert admission.run(slow) is GenerateOutcome.ADMITTED
+        slow_row = wait_terminal(session_factory, slow)
+    finally:
+        batcher.drain(0.0)
+        writer.stop()
+    entries = read_stream(redis_client, settings, fast)
+    tokens = [(entry_id, event) for entry_id, event in entries
+              if event.type is EventType.TOKEN]
+    assert entries[-1][1].type is EventType.DONE
+    assert len(tokens[0][1].token_ids) == 1  # the first token at once
+    assert sum((e.token_ids for _, e in tokens), []) == row.output[0]["token_ids"]
+    assert "".join(e.text for _, e in tokens) == row.output_text
+    assert 2 <= len(tokens) <= 40 // 3  # 10 ms steps, 60 ms apart: about 6 tokens an event
+    stamps = [int(entry_id.split("-")[0]) for entry_id, _ in tokens]
+    # every event but the last (flushed with the result) waited out the interval
+    assert all(b - a >= interval * 1000 - 10 for a, b in zip(stamps[:-2], stamps[1:-1]))
+    slow_tokens = [e for _, e in read_stream(redis_client, settings, slow)
+                   if e.type is EventType.TOKEN]
+    assert [len(e.token_ids) for e in slow_tokens] == [1, 1, 1, 1]
+    assert sum((e.token_ids for e in slow_tokens), []) == slow_row.output[0]["token_ids"]

@@ -42,8 +42,10 @@ def gunicorn_url(request, service_settings, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def group(service_settings, redis_client, tmp_path_factory):
+    # NOTE: one token event per step (no stream interval): these tests want many events
+    # in flight, a client leaving while the hub writes to it
     with running_worker(service_settings, redis_client, tmp_path_factory.mktemp("workers"),
-                        "sse") as worker:
+                        "sse", extra_env={"LLMQ_STREAM_INTERVAL_SECONDS": "0"}) as worker:
         yield worker
 
 

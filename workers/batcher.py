@@ -58,6 +58,7 @@ from workers.job_state import JobState
 from workers.step_health import StepHealth
 from workers.step_publisher import StepPublisher
 from workers.thread_names import name_this_thread
+from workers.token_coalescer import TokenCoalescer
 
 logger = logging.getLogger(__name__)
 # the engine loop's thread (its OS name too: workers/thread_names.py); benchmarks read
@@ -126,12 +127,16 @@ class Batcher:
         max_consecutive_failed_steps: int = 3,
         on_unhealthy: Callable[[str], None] | None = None,
         fault_inject_step_failures: int = 0,
+        stream_interval: float = 0.0,
     ) -> None:
         self.engine = engine
         self.writer = writer
         self.capacity = capacity  # samples admitted at once (= the engine's max_num_seqs)
         self.progress_interval = progress_interval
         self.stats_interval = stats_interval
+        # seconds between a streaming job's token events after its first (0: every step's);
+        # workers/token_coalescer.py
+        self.stream_interval = stream_interval
         self._inbox = JobInbox(capacity)
         self._jobs: dict[str, JobState] = {}  # batcher thread only
         self._num_steps = 0
@@ -297,8 +302,7 @@ class Batcher:
                 # NOTE: this group claimed the job again (beat reclaimed it while we could
                 # not renew): the older attempt is lost, whether or not we heard so yet.
                 self._drop_lost({(job.job_id, older.job.attempt)})
-            state = JobState(job, BATCH_LINE_EVENT_TOKENS
-                             if is_batch_priority(job.priority) else 0)
+            state = JobState(job, self._coalescer(job))
             self._jobs[job.job_id] = state
             if job.job_id in cancelled:
                 logger.info("job %s cancelled before it started", job.job_id)
@@ -318,6 +322,13 @@ class Batcher:
                 self._fail(state, f"could not start the job: {exc}", events)
                 continue
             state.num_prompt_tokens = int(num_prompt_tokens or 0)
+
+    def _coalescer(self, job: AdmittedJob) -> TokenCoalescer | None:
+        if is_batch_priority(job.priority):
+            return TokenCoalescer(BATCH_LINE_EVENT_TOKENS)
+        if self.stream_interval > 0:
+            return TokenCoalescer(interval=self.stream_interval)
+        return None
 
     def _on_published(self, result: JobResult) -> None:
         """From the step publisher, once the step's events are stored: the result goes to
@@ -379,6 +390,7 @@ class Batcher:
     def _handle_deltas(self, deltas: list[CompletionDelta],
                        events: list[tuple[str, JobEvent]]) -> None:
         now: datetime | None = None
+        clock = time.monotonic()
         for delta in deltas:
             state = self._jobs.get(delta.request_id)
             if state is None:
@@ -388,9 +400,9 @@ class Batcher:
                 state.first_token_at = now
                 # NOTE: a batch line's row gets it with the next progress write or its
                 # result: nobody waits on a batch line's first token
-                if state.coalescer is None:
+                if not is_batch_priority(state.job.priority):
                     self._first_tokens.append(state)
-            event = state.apply(delta)
+            event = state.apply(delta, clock)
             if event is not None:
                 events.append((state.job.job_id, event))
             if state.all_finished:
@@ -411,6 +423,13 @@ class Batcher:
 
     def _emit(self, events: list[tuple[str, JobEvent]]) -> None:
         """Send this step's events (one publish call); its finished results follow them."""
+        if self.stream_interval > 0:
+            # NOTE: held tokens of jobs the step left out (preempted, waiting) go out on time
+            clock = time.monotonic()
+            for job_id, state in self._jobs.items():
+                coalescer = state.coalescer
+                if coalescer is not None and coalescer.holding:
+                    events.extend((job_id, event) for event in state.due_events(clock))
         finished, self._finished = self._finished, []
         results = [state.result() for state in finished]
         attempts = {job_id: state.job.attempt for job_id, state in self._jobs.items()}

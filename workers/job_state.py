@@ -29,9 +29,9 @@ class JobState:
     __slots__ = ("job", "texts", "token_ids", "finish_reasons", "num_prompt_tokens",
                  "num_cached_tokens", "first_token_at", "error", "error_kind", "coalescer")
 
-    def __init__(self, job: AdmittedJob, coalesce_tokens: int = 0) -> None:
-        """`coalesce_tokens` > 0: token events are merged until they carry that many
-        tokens (workers/token_coalescer.py); `held_events` returns the rest."""
+    def __init__(self, job: AdmittedJob, coalescer: TokenCoalescer | None = None) -> None:
+        """`coalescer`: token events are merged by its rule (workers/token_coalescer.py);
+        `due_events` and `held_events` return what it holds."""
         n = job.num_samples
         self.job = job
         self.texts: list[list[str]] = [[] for _ in range(n)]  # text pieces per sample
@@ -42,7 +42,7 @@ class JobState:
         self.first_token_at: datetime | None = None
         self.error: str | None = None
         self.error_kind: JobErrorKind | None = None  # set with `error`
-        self.coalescer = TokenCoalescer(coalesce_tokens) if coalesce_tokens > 0 else None
+        self.coalescer = coalescer
 
     @property
     def all_finished(self) -> bool:
@@ -52,8 +52,9 @@ class JobState:
     def has_output(self) -> bool:
         return bool(self.token_ids[0])
 
-    def apply(self, delta: CompletionDelta) -> JobEvent | None:
-        """Record `delta`; return the token event to publish, if it carries anything."""
+    def apply(self, delta: CompletionDelta, now: float) -> JobEvent | None:
+        """Record `delta` (produced at `now`, monotonic seconds); return the token event to
+        publish, if it carries anything and is not held."""
         index = delta.index
         self.num_prompt_tokens = delta.num_prompt_tokens or self.num_prompt_tokens
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
@@ -80,7 +81,11 @@ class JobState:
             token_ids=list(delta.new_token_ids),
             logprobs=_logprobs_payload(delta),
         )
-        return event if self.coalescer is None else self.coalescer.add(event)
+        return event if self.coalescer is None else self.coalescer.add(event, now)
+
+    def due_events(self, now: float) -> list[JobEvent]:
+        """Held token events whose time came by `now` (the interval rule)."""
+        return self.coalescer.due(now) if self.coalescer is not None else []
 
     def held_events(self) -> list[JobEvent]:
         """The token events still held by coalescing (publish them before the terminal

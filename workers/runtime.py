@@ -121,7 +121,8 @@ class GroupRuntime:
                                capacity=s.max_num_seqs,
                                max_consecutive_failed_steps=s.max_consecutive_step_failures,
                                on_unhealthy=self._on_breaker,
-                               fault_inject_step_failures=s.fault_inject_step_failures)
+                               fault_inject_step_failures=s.fault_inject_step_failures,
+                               stream_interval=s.stream_interval_seconds)
         self.admission = JobAdmission(s, self.db.claims, self.batcher, self.db,
                                       self.group_id, self.send_generate,
                                       model=self.model_name)
