@@ -57,7 +57,7 @@ class TokenCoalescer:
         if self.num_tokens:
             if len(held.token_ids) < self.num_tokens:
                 return None
-        elif now - self._sent_at.get(index, -self.interval) < self.interval:
+        elif not self._interval_passed(index, now):
             return None
         return self._send(index, now)
 
@@ -68,13 +68,18 @@ class TokenCoalescer:
         if self.num_tokens or not self._held:
             return []
         return [self._send(index, now) for index in sorted(self._held)
-                if now - self._sent_at.get(index, -self.interval) >= self.interval]
+                if self._interval_passed(index, now)]
 
     def flush(self) -> list[JobEvent]:
         """Every held event, by sample index; holds nothing after."""
         events = [self._held[index] for index in sorted(self._held)]
         self._held.clear()
         return events
+
+    def _interval_passed(self, index: int, now: float) -> bool:
+        """True when sample `index` sent nothing yet or its last event is `interval` old."""
+        sent_at = self._sent_at.get(index)
+        return sent_at is None or now - sent_at >= self.interval
 
     def _send(self, index: int, now: float) -> JobEvent:
         self._sent_at[index] = now
