@@ -41,6 +41,11 @@ def test_from_env_parses_types_and_names_the_bad_variable():
         Settings.from_env({"LLMQ_AUTH_ENABLED": "maybe"})
     with pytest.raises(ValueError, match="LLMQ_MODELS"):
         Settings.from_env({"LLMQ_MODELS": "no-path"})
+    # the stream interval: 0 (every step's tokens) up to 1 s; anything else is refused
+    assert Settings.from_env({"LLMQ_STREAM_INTERVAL_SECONDS": "0"}).stream_interval_seconds == 0
+    for bad in ("-0.01", "1.5", "1e9", "nan", "soon"):
+        with pytest.raises(ValueError, match="LLMQ_STREAM_INTERVAL_SECONDS"):
+            Settings.from_env({"LLMQ_STREAM_INTERVAL_SECONDS": bad})
 
 
 def test_redis_names_live_under_the_prefix():
