@@ -90,6 +90,11 @@ def can_prepack_widened(weight: torch.Tensor) -> bool:
             and packs_dtype(torch.float32))
 
 
+def can_prepack_any(weight: torch.Tensor, widen: bool) -> bool:
+    """What `prepack` takes: `can_prepack`, and with `widen` also `can_prepack_widened`."""
+    return can_prepack(weight) or (widen and can_prepack_widened(weight))
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            skinny_rows: int = 0) -> torch.Tensor:
     """`x @ weight^T + bias`; `weight` plain [out, in] or `prepack`ed. A plain weight
@@ -149,7 +154,7 @@ def time_paths(weights: list[torch.Tensor], batch_sizes: tuple[int, ...] | None 
     # per path, one function per weight: x -> x @ w^T
     calls: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {
         "reference": [functools.partial(linear, weight=w) for w in weights]}
-    if all(can_prepack(w) or (widen and can_prepack_widened(w)) for w in weights):
+    if all(can_prepack_any(w, widen) for w in weights):
         calls["prepacked"] = [functools.partial(linear, weight=prepack(w)) for w in weights]
     if weights and all(native.panels_supported(w) for w in weights):
         calls["native"] = [functools.partial(native.panel_linear, panels=native.pack_panels(w),

@@ -81,7 +81,7 @@ class LinearBase(nn.Module):
         `plain_rows` keep both (a split); True if it did. `widen`: a bf16 weight on a CPU
         without bf16 dot products gets an fp32 copy (`dense.can_prepack_widened`). The
         layer can compute afterwards, not load weights or move."""
-        if self.packed_weight is not None or not _packs(self.weight, widen):
+        if self.packed_weight is not None or not dense.can_prepack_any(self.weight, widen):
             return False
         packed = dense.prepack(self.weight)
         if plain_rows is not None:
@@ -251,7 +251,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         lookups (until `drop_unused_plain_weights` moves those to the panels). The copy
         costs vocab x hidden elements and gives the largest single GEMM of a decode step
         (the logits) the faster kernel (docs/benchmarks.md, CPU speed)."""
-        if self.packed_weight is not None or not _packs(self.weight, widen):
+        if self.packed_weight is not None or not dense.can_prepack_any(self.weight, widen):
             return False
         self.packed_weight = dense.prepack(self.weight)
         self.plain_rows = plain_rows or 0
@@ -276,10 +276,6 @@ class ParallelLMHead(VocabParallelEmbedding):
             dist.all_gather(parts, logits)
             logits = torch.cat(parts, dim=-1)
         return logits
-
-
-def _packs(weight: torch.Tensor, widen: bool) -> bool:
-    return dense.can_prepack(weight) or (widen and dense.can_prepack_widened(weight))
 
 
 def _replace_weight(layer: LinearBase | ParallelLMHead, packed: torch.Tensor) -> None:
