@@ -429,7 +429,7 @@ class Batcher:
             for job_id, state in self._jobs.items():
                 coalescer = state.coalescer
                 if coalescer is not None and coalescer.holding:
-                    events.extend((job_id, event) for event in state.due_events(clock))
+                    events.extend((job_id, event) for event in coalescer.due(clock))
         finished, self._finished = self._finished, []
         results = [state.result() for state in finished]
         attempts = {job_id: state.job.attempt for job_id, state in self._jobs.items()}

@@ -31,7 +31,7 @@ class JobState:
 
     def __init__(self, job: AdmittedJob, coalescer: TokenCoalescer | None = None) -> None:
         """`coalescer`: token events are merged by its rule (workers/token_coalescer.py);
-        `due_events` and `held_events` return what it holds."""
+        `held_events` returns what it still holds at the end."""
         n = job.num_samples
         self.job = job
         self.texts: list[list[str]] = [[] for _ in range(n)]  # text pieces per sample
@@ -82,10 +82,6 @@ class JobState:
             logprobs=_logprobs_payload(delta),
         )
         return event if self.coalescer is None else self.coalescer.add(event, now)
-
-    def due_events(self, now: float) -> list[JobEvent]:
-        """Held token events whose time came by `now` (the interval rule)."""
-        return self.coalescer.due(now) if self.coalescer is not None else []
 
     def held_events(self) -> list[JobEvent]:
         """The token events still held by coalescing (publish them before the terminal
