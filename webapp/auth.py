@@ -32,7 +32,7 @@ def current_api_key_id() -> uuid.UUID | None:
         if scheme.lower() != "bearer" or not key.strip():
             raise APIError(401, "invalid_api_key",
                            "malformed Authorization header: expected 'Bearer <key>'")
-        with svc.session_factory() as session:
+        with svc.reads() as session:
             row = find_api_key(session, key.strip())
             if row is None:
                 raise APIError(401, "invalid_api_key", "invalid or revoked API key")

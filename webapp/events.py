@@ -54,7 +54,7 @@ def job_events(job_id: str) -> Response:
     heartbeat_seconds = svc.settings.sse_heartbeat_seconds
     return event_stream_response(
         lambda sink, cooperative: _sse(job_id, job, last_id or None, svc.subscriber,
-                                       svc.session_factory, heartbeat_seconds, sink,
+                                       svc.reads, heartbeat_seconds, sink,
                                        cooperative))
 
 

@@ -349,7 +349,7 @@ def _same_request(existing: Job, job_request: JobRequest, prompt_token_ids: list
 def load_job(job_id: str) -> Job:
     """The caller's job `job_id`, or a 404 (also for another key's job)."""
     api_key_id = current_api_key_id()
-    with services().session_factory() as session:
+    with services().reads() as session:
         job = _visible_job(session, job_id, api_key_id)
     if job is None:
         raise APIError(404, "job_not_found", f"no job {job_id!r}", "job_id")
@@ -441,7 +441,7 @@ def idempotency_key_header() -> str | None:
 
 def _find_idempotent(api_key_id: uuid.UUID | None, key: str) -> Job | None:
     owner = Job.api_key_id.is_(None) if api_key_id is None else Job.api_key_id == api_key_id
-    with services().session_factory() as session:
+    with services().reads() as session:
         return session.scalar(select(Job).where(owner, Job.idempotency_key == key))
 
 

@@ -38,7 +38,7 @@ def ready() -> tuple[Response, int]:
     missing: list[str] = []
     checks: dict[str, Any] = {}
     try:
-        with svc.session_factory() as session:
+        with svc.reads() as session:
             session.execute(text("SELECT 1"))
         checks["database"] = "ok"
     except sqlalchemy.exc.SQLAlchemyError as exc:

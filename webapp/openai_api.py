@@ -186,7 +186,7 @@ def job_events(svc: Services, job_id: str,
 
 
 def reload_job(svc: Services, job_id: str) -> Job | None:
-    with svc.session_factory() as session:
+    with svc.reads() as session:
         return session.get(Job, uuid.UUID(job_id))
 
 

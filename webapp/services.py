@@ -34,6 +34,9 @@ class Services:
     # BEGIN and COMMIT round trips (a job's submission)
     autocommit: sqlalchemy.Engine
     session_factory: sessionmaker[Session]
+    # sessions on `autocommit`, for reads of one statement (a job's row, an API key): one
+    # round trip each, where a transaction adds a BEGIN before it and a ROLLBACK after
+    reads: sessionmaker[Session]
     redis: Redis
     celery: Celery
     models: ModelRegistry
@@ -45,12 +48,14 @@ class Services:
     @classmethod
     def build(cls, settings: Settings) -> Services:
         engine = create_db_engine(settings.database_url)
+        autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
         redis = make_redis(settings.redis_url)
         return cls(
             settings=settings,
             engine=engine,
-            autocommit=engine.execution_options(isolation_level="AUTOCOMMIT"),
+            autocommit=autocommit,
             session_factory=make_sessionmaker(engine),
+            reads=make_sessionmaker(autocommit),
             redis=redis,
             celery=create_celery(settings),
             models=ModelRegistry(settings),

@@ -1,0 +1,68 @@
+"""The web's one-statement reads run outside a transaction: a job poll, an event stream's
+open, an API key's lookup and the readiness check each cost one round trip to Postgres,
+not a BEGIN, the statement and a ROLLBACK (real Postgres, the app in process)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from psycopg import pq
+from sqlalchemy import event, select
+
+from tasks.auth import create_api_key
+from tasks.models import Job
+from webapp import create_app
+
+BODY = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
+
+
+@pytest.fixture
+def app(service_settings):
+    # auth on: every request also looks its key up
+    settings = service_settings.with_overrides(
+        redis_prefix=service_settings.redis_prefix + "r" + uuid.uuid4().hex[:6],
+        auth_enabled=True)
+    app = create_app(settings)
+    yield app
+    app.extensions["llmq"].close()
+
+
+def _open_transactions(app) -> list[pq.TransactionStatus]:
+    """At each end of a session's work on the web's engine, what its connection held:
+    INTRANS where the driver had begun a transaction (a BEGIN went out before the statement
+    and a ROLLBACK follows now), IDLE where the statement ran in autocommit."""
+    seen: list[pq.TransactionStatus] = []
+
+    def on_rollback(connection) -> None:
+        seen.append(connection.connection.dbapi_connection.info.transaction_status)
+
+    event.listen(app.extensions["llmq"].engine, "rollback", on_rollback)
+    return seen
+
+
+def test_job_reads_key_lookups_and_readiness_open_no_transaction(app, session_factory):
+    key = create_api_key(session_factory, "reader")[1]
+    headers = {"Authorization": f"Bearer {key}"}
+    client = app.test_client()
+    created = client.post("/v1/jobs", json=BODY, headers=headers)
+    assert created.status_code == 202, created.json
+    job_id = created.json["id"]
+    seen = _open_transactions(app)
+
+    got = client.get(f"/v1/jobs/{job_id}", headers=headers)
+    assert got.status_code == 200 and got.json["id"] == job_id
+    stream = client.get(f"/v1/jobs/{job_id}/events", headers=headers, buffered=False)
+    assert stream.status_code == 200
+    stream.close()
+    assert client.get("/v1/jobs/" + str(uuid.uuid4()), headers=headers).status_code == 404
+    assert client.get("/ready").status_code in (200, 503)
+    # key lookups (3), job reads (3), the readiness check (1)
+    assert len(seen) >= 7, seen
+    assert set(seen) == {pq.TransactionStatus.IDLE}, seen
+
+    # the probe sees a transaction where one is open: a read through a plain session
+    seen.clear()
+    with app.extensions["llmq"].session_factory() as session:
+        session.scalar(select(Job.status).where(Job.id == uuid.UUID(job_id)))
+    assert seen == [pq.TransactionStatus.INTRANS]
