@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
 
     workdir = Path(tempfile.mkdtemp(prefix="llmq-bench-batch-"))
     model_dir = str(make_model(workdir / "model", "qwen3", args.preset))
-    engine = load_offline_engine(model_dir, args, Settings())
+    engine = load_offline_engine(model_dir, args, Settings.from_env())
     services = Services(args, model_dir, workdir)
     try:
         client = openai.OpenAI(base_url=services.base_url + "/v1", api_key="unused",

@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = make_model(Path(tempfile.mkdtemp(prefix="llmq-bench-neighbours-")) / "model",
                            "qwen3", args.preset)
-    engine = load_offline_engine(str(model_dir), args, Settings())
+    engine = load_offline_engine(str(model_dir), args, Settings.from_env())
     run_offline(engine, args, "warm-up")
     figures: dict[str, list[float]] = {name: [] for name in LOADS}
     for round_index in range(args.rounds):
