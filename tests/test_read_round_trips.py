@@ -1,6 +1,7 @@
-"""The web's one-statement reads run outside a transaction: a job poll, an event stream's
-open, an API key's lookup and the readiness check each cost one round trip to Postgres,
-not a BEGIN, the statement and a ROLLBACK (real Postgres, the app in process)."""
+"""The web's reads run outside a transaction: a job poll, an event stream's open, an API
+key's lookup, the readiness check, a listing or a batch's retrieval cost one round trip to
+Postgres per statement, not a BEGIN before and a ROLLBACK after (real Postgres, the app in
+process)."""
 
 from __future__ import annotations
 
@@ -57,8 +58,13 @@ def test_job_reads_key_lookups_and_readiness_open_no_transaction(app, session_fa
     stream.close()
     assert client.get("/v1/jobs/" + str(uuid.uuid4()), headers=headers).status_code == 404
     assert client.get("/ready").status_code in (200, 503)
-    # key lookups (3), job reads (3), the readiness check (1)
-    assert len(seen) >= 7, seen
+    for listing in ("/v1/jobs", "/v1/files", "/v1/batches", "/v1/dashboard/summary",
+                    f"/v1/dashboard/jobs/{job_id}"):
+        assert client.get(listing, headers=headers).status_code == 200, listing
+    assert client.get("/v1/batches/batch_nothere", headers=headers).status_code == 404
+    # key lookups (9), job reads (4), the readiness check, the listings and summary (5), a
+    # batch read
+    assert len(seen) >= 19, seen
     assert set(seen) == {pq.TransactionStatus.IDLE}, seen
 
     # the probe sees a transaction where one is open: a read through a plain session

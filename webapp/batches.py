@@ -59,7 +59,7 @@ def create_batch() -> Response:
     except ValidationError as exc:
         error = SchemaError.from_validation(exc, BatchCreateRequest)
         raise APIError(400, "invalid_value", error.message, error.param) from None
-    with svc.session_factory() as session:
+    with svc.reads() as session:
         input_file = visible_file(session, req.input_file_id, api_key_id)
         if input_file is None or input_file.purpose != "batch":
             raise APIError(400, "invalid_value", f"input_file_id {req.input_file_id!r} is not "
@@ -107,7 +107,7 @@ def list_batches() -> Response:
         query.limit + 1)
     if svc.settings.auth_enabled:
         statement = statement.where(Batch.api_key_id == api_key_id)
-    with svc.session_factory() as session:
+    with svc.reads() as session:
         if query.after:
             cursor = visible(session, Batch, query.after, api_key_id)
             if cursor is None:
@@ -149,7 +149,7 @@ def cancel_batch(batch_id: str) -> Response:
 
 
 def _answer(svc: Services, batch_id: str) -> dict[str, Any]:
-    with svc.session_factory() as session:
+    with svc.reads() as session:
         batch = session.get(Batch, batch_id)
         assert batch is not None  # batches are never deleted
         return batch_to_dict(session, batch)

@@ -60,7 +60,7 @@ def jobs() -> Response:
         created_after=_moment(args.get("created_after"), "created_after"),
         created_before=_moment(args.get("created_before"), "created_before"),
         limit=_limit(args.get("limit")), after=_cursor(args.get("after")))
-    with svc.session_factory() as session:
+    with svc.reads() as session:
         page_ = dashboard_data.list_jobs(session, flt)
     if not page_.cursor_found:
         raise APIError(400, "invalid_cursor", "after must be the id of a job from a previous "
@@ -74,7 +74,7 @@ def job(job_id: str) -> Response:
     """The job as `GET /v1/jobs/<id>` answers it, plus its request, worker and key."""
     row = load_job(job_id)
     body = job_to_dict(row)
-    with services().session_factory() as session:
+    with services().reads() as session:
         body["request"] = dashboard_data.job_request(session, row)
     return jsonify(body)
 
@@ -87,7 +87,7 @@ def summary() -> Response:
     svc = services()
     owner = current_api_key_id()
     names = svc.models.names()
-    with svc.session_factory() as session:
+    with svc.reads() as session:
         counts = dashboard_data.status_counts(session, owner, svc.settings.auth_enabled)
         unfinished = dashboard_data.unfinished_by_model(session)
     try:

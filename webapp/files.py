@@ -98,7 +98,7 @@ def list_files() -> Response:
     if query.purpose:
         statement = statement.where(File.purpose == query.purpose)
     statement = statement.where(or_(File.expires_at.is_(None), File.expires_at > utcnow()))
-    with svc.session_factory() as session:
+    with svc.reads() as session:
         if query.after:
             cursor = visible_file(session, query.after, api_key_id)
             if cursor is None:
@@ -199,7 +199,7 @@ def visible_file(session: Any, file_id: str, api_key_id: uuid.UUID | None) -> Fi
 def load_owned(model: type[Owned], row_id: str, noun: str) -> Owned:
     """The caller's `model` row `row_id` (a file, a batch), or a 404 `<noun>_not_found`
     (also for another key's row)."""
-    with services().session_factory() as session:
+    with services().reads() as session:
         row = visible(session, model, row_id, current_api_key_id())
     if row is None:
         raise APIError(404, f"{noun}_not_found", f"no {noun} {row_id!r}", f"{noun}_id")

@@ -141,7 +141,7 @@ def list_jobs() -> Response:
         statement = statement.where(Job.created_at >= query.created_after)
     if query.created_before is not None:
         statement = statement.where(Job.created_at < query.created_before)
-    with svc.session_factory() as session:
+    with svc.reads() as session:
         if query.after:
             cursor = _visible_job(session, query.after, api_key_id)
             if cursor is None:

@@ -211,7 +211,7 @@ def load_response(response_id: str) -> tuple[StoredResponse, Job]:
 
 def _visible(svc: Services, response_id: str,
              api_key_id: uuid.UUID | None) -> tuple[StoredResponse, Job] | None:
-    with svc.session_factory() as session:
+    with svc.reads() as session:
         stored = session.get(StoredResponse, response_id)
         if stored is None or stored.deleted or not stored.store:
             return None
@@ -240,7 +240,7 @@ def _stored_for(svc: Services, job: Job) -> StoredResponse:
     used for a job that is not a response."""
     deadline = time.monotonic() + IDEMPOTENT_ROW_WAIT_SECONDS
     while True:
-        with svc.session_factory() as session:
+        with svc.reads() as session:
             stored = session.scalars(select(StoredResponse).where(
                 StoredResponse.job_id == job.id)).first()
         if stored is not None and not stored.deleted:
