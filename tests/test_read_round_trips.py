@@ -42,7 +42,7 @@ def _open_transactions(app) -> list[pq.TransactionStatus]:
     return seen
 
 
-def test_job_reads_key_lookups_and_readiness_open_no_transaction(app, session_factory):
+def test_reads_open_no_transaction(app, session_factory):
     key = create_api_key(session_factory, "reader")[1]
     headers = {"Authorization": f"Bearer {key}"}
     client = app.test_client()
