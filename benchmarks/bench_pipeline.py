@@ -518,7 +518,8 @@ def main(argv: list[str] | None = None) -> int:
 
     workdir = Path(tempfile.mkdtemp(prefix="llmq-bench-pipeline-"))
     model_dir = str(make_model(workdir / "model", "qwen3", args.preset))
-    engine = load_offline_engine(model_dir, args, Settings.from_env())
+    settings = Settings.from_env()  # the environment the worker also starts with
+    engine = load_offline_engine(model_dir, args, settings)
     services = Services(args, model_dir, workdir)
     rounds: list[dict[str, Any]] = []
     try:
@@ -581,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
          "runnable, waiting for one; the rest asleep (GIL, work, I/O)",
          f"{100 * on_core:.0f}%; {100 * waiting:.0f}%; {100 * (1 - on_core - waiting):.0f}%"),
         ("token events per output token, last round (stream interval "
-         f"{Settings.from_env().stream_interval_seconds * 1000:g} ms: a job's first token at once, "
+         f"{settings.stream_interval_seconds * 1000:g} ms: a job's first token at once, "
          "then at most one event per interval)",
          f"{p['num_token_events'] / p['tokens']:.2f}"),
         ("machine", f"{describe_cpu()}; {os.cpu_count()} cores, 1-min load average "
