@@ -34,8 +34,9 @@ class Services:
     # BEGIN and COMMIT round trips (a job's submission)
     autocommit: sqlalchemy.Engine
     session_factory: sessionmaker[Session]
-    # sessions on `autocommit`, for reads of one statement (a job's row, an API key): one
-    # round trip each, where a transaction adds a BEGIN before it and a ROLLBACK after
+    # sessions on `autocommit`, for the views that only read (a job's row, an API key, a
+    # listing): one round trip per statement, where a transaction adds a BEGIN before the
+    # first and a ROLLBACK after the last
     reads: sessionmaker[Session]
     redis: Redis
     celery: Celery
