@@ -677,6 +677,7 @@ def test_the_runner_gives_the_native_decoder_the_row_counts_where_whole_steps_ru
     paths and with the native decoder; it takes the row counts where it is faster, up to
     the first where it is not, the native kernel the same rows (a split's plain weight
     reaching them), and the steps' KV writes are cleared."""
+    from kernels import timing
     from workers.engine import model_runner
     from workers.engine.loader import load_checkpoint
     from workers.engine.model_runner import ModelRunner
@@ -707,8 +708,9 @@ def test_the_runner_gives_the_native_decoder_the_row_counts_where_whole_steps_ru
             return logits
 
         monkeypatch.setattr(runner, "forward_logits", timed)
-        monkeypatch.setattr(model_runner, "time",
-                            types.SimpleNamespace(perf_counter=lambda clock=clock: clock[0]))
+        fake_time = types.SimpleNamespace(perf_counter=lambda clock=clock: clock[0])
+        monkeypatch.setattr(model_runner, "time", fake_time)
+        monkeypatch.setattr(timing, "time", fake_time)  # alternated_medians' clock
         runner._weigh_native_decoder(runner.model.use_native_decoder)
         probed = [1, 2, 4, 8, 16, 32, 64]
         assert list(runner.decoder_probe) == (probed[:probed.index(rows) + 2] if rows

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import statistics
 import time
 from collections.abc import Callable
 
@@ -18,6 +17,7 @@ import torch
 from kernels import linear as dense
 from kernels import native
 from kernels.attention import build_attention_metadata
+from kernels.timing import alternated_medians
 from workers.engine import huge_pages
 from workers.engine.loader import LoadedCheckpoint
 from workers.engine.models.layers import (
@@ -37,9 +37,10 @@ LINEAR_PATH_ENV = "LLMQ_LINEAR_PATH"
 LINEAR_PATHS = ("auto", "prepacked", "reference", "split", "native")
 # the rows the native kernel takes when `native` is asked for by name
 NATIVE_ROWS = 4
-# a decode step slower than this at start-up (a large model) is timed in fewer rounds when
-# the native decoder is weighed
+# a decode step slower than this at start-up (a large model) is timed in SLOW_STEP_ROUNDS
+# rounds when the native decoder is weighed
 SLOW_STEP_SECONDS = 0.25
+SLOW_STEP_ROUNDS = 2
 # whole decode steps of these many rows are weighed too, past the linear probe's row counts:
 # where a step's Python between the calls is most of it (the `small` preset in bf16, 64
 # rows: 3.36 -> 2.28 ms on a Xeon with AMX), the decoder wins beyond 16 rows
@@ -243,21 +244,21 @@ class ModelRunner:
                 seq_id=i, token_ids=[0], start_pos=0, block_table=[i], sample=True,
                 params=params, prompt_token_ids=[], output_token_ids=[])
                 for i in range(rows)], rows)
-            times: dict[str, list[float]] = {"plan": [], "decoder": []}
-            round_ = 0
-            while round_ <= rounds:
-                for name in ("decoder", "plan") if round_ % 2 else ("plan", "decoder"):
-                    use(rows if name == "decoder" else accepted)
-                    t = time.perf_counter()
-                    self.forward_logits(step)
-                    seconds = time.perf_counter() - t
-                    if round_:  # the first round warms both up
-                        times[name].append(seconds)
-                    elif seconds > SLOW_STEP_SECONDS:  # a large model: fewer rounds
-                        rounds = min(rounds, 2)
-                round_ += 1
-            self.decoder_probe[rows] = {name: statistics.median(ts)
-                                        for name, ts in times.items()}
+
+            def step_once(step: SchedulerOutput = step) -> None:
+                self.forward_logits(step)
+
+            def put(name: str, rows: int = rows, plan: int = accepted) -> None:
+                use(rows if name == "decoder" else plan)
+
+            # a large model's step tells at once: it is timed in fewer rounds
+            put("plan")
+            started_step = time.perf_counter()
+            step_once()
+            slow = time.perf_counter() - started_step > SLOW_STEP_SECONDS
+            self.decoder_probe[rows] = alternated_medians(
+                {"plan": step_once, "decoder": step_once},
+                min(rounds, SLOW_STEP_ROUNDS) if slow else rounds, prepare=put)
             self.kv_cache[:rows].zero_()
             if self.decoder_probe[rows]["decoder"] >= self.decoder_probe[rows]["plan"]:
                 break
