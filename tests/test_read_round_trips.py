@@ -1,7 +1,7 @@
 """The web's reads run outside a transaction: a job poll, an event stream's open, an API
-key's lookup, the readiness check, a listing or a batch's retrieval cost one round trip to
-Postgres per statement, not a BEGIN before and a ROLLBACK after (real Postgres, the app in
-process)."""
+key's lookup, the readiness check, a listing, a batch's retrieval or the batch validator's
+look for work cost one round trip to Postgres per statement, not a BEGIN before and a
+ROLLBACK after (real Postgres, the app in process)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from sqlalchemy import event, select
 
 from tasks.auth import create_api_key
 from tasks.models import Job
-from webapp import create_app
+from webapp import batch_validation, create_app
 
 BODY = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
 
@@ -62,9 +62,11 @@ def test_reads_open_no_transaction(app, session_factory):
                     f"/v1/dashboard/jobs/{job_id}"):
         assert client.get(listing, headers=headers).status_code == 200, listing
     assert client.get("/v1/batches/batch_nothere", headers=headers).status_code == 404
+    # the batch validator's look for work, which an idle web process repeats every 2 s
+    assert app.extensions[batch_validation.EXTENSION_KEY].run_once() is False
     # key lookups (9), job reads (4), the readiness check, the listings and summary (5), a
-    # batch read
-    assert len(seen) >= 19, seen
+    # batch read, the validator's look
+    assert len(seen) >= 20, seen
     assert set(seen) == {pq.TransactionStatus.IDLE}, seen
 
     # the probe sees a transaction where one is open: a read through a plain session

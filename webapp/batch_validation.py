@@ -85,11 +85,13 @@ class ValidationDeferred(Exception):
 
 
 def claim_batch(session_factory: sessionmaker[Session], token: str, lease_seconds: float,
-                max_attempts: int) -> str | None:
+                max_attempts: int, reads: sessionmaker[Session] | None = None) -> str | None:
     """Claim the oldest batch that is `validating` with no live validator; returns it, or
-    None. One already claimed `max_attempts` times ends `failed` instead."""
+    None. One already claimed `max_attempts` times ends `failed` instead. `reads`: the
+    sessions the candidates are looked up with (`Services.reads`: no transaction for the
+    SELECT an idle validator repeats every POLL_SECONDS); default `session_factory`."""
     now = utcnow()
-    with session_factory() as session:
+    with (reads or session_factory)() as session:
         candidates = session.execute(select(Batch.id, Batch.validation_attempts).where(
             validation_unclaimed(now)).order_by(Batch.created_at).limit(8)).all()
     for batch_id, attempts in candidates:
@@ -297,7 +299,8 @@ class BatchValidator:
         """Claim one batch and validate it; returns whether one was claimed."""
         settings = self._svc.settings
         batch_id = claim_batch(self._svc.session_factory, self.token,
-                               settings.batch_validation_lease_seconds, settings.max_attempts)
+                               settings.batch_validation_lease_seconds, settings.max_attempts,
+                               reads=self._svc.reads)
         if batch_id is None:
             return False
         try:
