@@ -211,6 +211,11 @@ class Job(Base):
         Index("ix_jobs_queued_batch_lines", "model", "created_at", "batch_index",
               postgresql_where=text("status = 'queued' AND batch_id IS NOT NULL"),
               sqlite_where=text("status = 'queued' AND batch_id IS NOT NULL")),
+        # a batch's lines still queued or running: whether any is left (tasks/batches.py),
+        # one probe however many lines ended
+        Index("ix_jobs_unfinished_batch_lines", "batch_id",
+              postgresql_where=text("status IN ('queued', 'running') AND batch_id IS NOT NULL"),
+              sqlite_where=text("status IN ('queued', 'running') AND batch_id IS NOT NULL")),
         # a model's queued jobs (the dashboard's counts)
         Index("ix_jobs_queued_model", "model", postgresql_where=text("status = 'queued'"),
               sqlite_where=text("status = 'queued'")),

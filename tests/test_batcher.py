@@ -3,6 +3,7 @@ and no Celery: a job row goes in, the stream and the row come out."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -393,6 +394,39 @@ def test_batch_lines_are_claimed_oldest_batch_first_in_line_order(group, session
     for job_id in claimed:
         wait_terminal(session_factory, job_id)
     assert read_job(session_factory, newer[1]).status == JobStatus.QUEUED.value
+
+
+def test_the_writer_finishes_a_batch_once_its_last_line_is_stored(group, session_factory):
+    """No GET and no beat here: the group's writer, having stored a line's result, finishes
+    the batch when none of its lines is left, and not before."""
+    from tasks.files import read_file_bytes
+    from tasks.models import Batch
+
+    model = f"tiny-{uuid.uuid4().hex[:6]}"  # no other test's lines
+    ids = store_queued_lines(session_factory, model, [0, 1, 2], created_at=utcnow())
+    batch_id = read_job(session_factory, ids[0]).batch_id
+
+    def batch() -> Batch:
+        with session_factory() as session:
+            found = session.get(Batch, batch_id)
+            assert found is not None
+            return found
+
+    assert group.admission.run_next_batch_jobs(model, 2) == [GenerateOutcome.ADMITTED] * 2
+    for index in (0, 1):
+        wait_terminal(session_factory, ids[index])
+    time.sleep(0.5)  # the finisher looked, and found line 2 queued
+    assert batch().status == "in_progress" and batch().output_file_id is None
+
+    assert group.admission.run_next_batch_jobs(model, 2) == [GenerateOutcome.ADMITTED]
+    last = wait_terminal(session_factory, ids[2])
+    done = wait_for(lambda: (found := batch()).status == "completed" and found, 30,
+                    "the batch to complete")
+    assert (done.num_completed, done.num_failed, done.error_file_id) == (3, 0, None)
+    assert done.completed_at >= last.finished_at
+    with session_factory() as session:
+        lines = read_file_bytes(session, done.output_file_id).decode().splitlines()
+    assert [json.loads(line)["custom_id"] for line in lines] == ["r0", "r1", "r2"]
 
 
 def test_a_message_claims_queued_jobs_of_the_model_ahead_up_to_the_room(

@@ -194,11 +194,11 @@ class JobAdmission:
         except (TypeError, ValueError) as exc:
             logger.info("job %s has bad parameters: %s", job_id, exc)
             self._end(job_id, attempt, JobStatus.FAILED, f"invalid job parameters: {exc}",
-                      JobErrorKind.INVALID_REQUEST)
+                      JobErrorKind.INVALID_REQUEST, batch_id=row.batch_id)
             return GenerateOutcome.FAILED
         if row.cancel_requested:
             logger.info("job %s was cancelled before it started", job_id)
-            self._end(job_id, attempt, JobStatus.CANCELLED, None)
+            self._end(job_id, attempt, JobStatus.CANCELLED, None, batch_id=row.batch_id)
             return GenerateOutcome.CANCELLED
         if not self.batcher.admit(job):
             # NOTE: shutting down; the job never ran here, so give it straight back
@@ -210,7 +210,7 @@ class JobAdmission:
         return GenerateOutcome.ADMITTED
 
     def _end(self, job_id: str, attempt: int, status: JobStatus, error: str | None,
-             error_kind: JobErrorKind | None = None) -> None:
+             error_kind: JobErrorKind | None = None, *, batch_id: str | None = None) -> None:
         """Finish a job that never reached the engine (row first, then the event)."""
         reason = FinishReason.ERROR if status is JobStatus.FAILED else FinishReason.CANCELLED
         event_type = EventType.ERROR if status is JobStatus.FAILED else EventType.CANCELLED
@@ -220,7 +220,7 @@ class JobAdmission:
             job_id=job_id, status=status, finish_reason=reason.value, error=error,
             output=[], output_text="", prompt_tokens=0, completion_tokens=0, cached_tokens=0,
             event=JobEvent(event_type, finish_reason=reason.value, error=error, usage=usage),
-            attempt=attempt, error_kind=error_kind,
+            attempt=attempt, error_kind=error_kind, batch_id=batch_id,
         ))
 
 
@@ -238,4 +238,5 @@ def _admitted_job(job_id: str, row: ClaimedRow, attempt: int) -> AdmittedJob:
     return AdmittedJob(job_id=job_id, prompt=prompt, params=params,
                        priority=int(row.priority or 0), attempt=attempt,
                        created_at=created.replace(tzinfo=created.tzinfo or UTC).timestamp()
-                       if created is not None else None, claimed_at=time.time())
+                       if created is not None else None, claimed_at=time.time(),
+                       batch_id=row.batch_id)

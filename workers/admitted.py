@@ -23,6 +23,7 @@ class AdmittedJob:
     attempt: int = 1  # this claim's number (jobs.attempts after the claim)
     created_at: float | None = None  # unix seconds the API stored the job (metrics)
     claimed_at: float | None = None  # unix seconds this group claimed it (metrics)
+    batch_id: str | None = None  # the batch it is a line of: its result may finish the batch
 
     @property
     def num_samples(self) -> int:

@@ -57,6 +57,7 @@ class ClaimedRow(NamedTuple):
     priority: int | None
     attempts: int
     created_at: datetime | None
+    batch_id: str | None  # the batch it is a line of (None: an interactive job)
     cancel_requested: bool  # its cancel flag was set when it was claimed
 
 
@@ -136,7 +137,7 @@ class JobClaims:
                 error=None,
             )
             .returning(Job.id, Job.prompt, Job.prompt_token_ids, Job.params, Job.priority,
-                       Job.attempts, Job.created_at)
+                       Job.attempts, Job.created_at, Job.batch_id)
         )
 
     def _claim(self, statement: ReturningUpdate[Any], **params: Any) -> list[ClaimedRow]:

@@ -308,9 +308,10 @@ class _DbService:
         self.settings = settings
         self._send_lock = threading.Lock()
         self._health = (True, time.monotonic())
-        # the writer's connection, the claim threads', and a little slack
+        # the writer's connection, its batch finisher's, the claim threads', and a little
+        # slack
         self.db_engine = create_db_engine(settings.database_url,
-                                          pool_size=1 + CLAIM_THREADS, max_overflow=2)
+                                          pool_size=2 + CLAIM_THREADS, max_overflow=2)
         session_factory = make_sessionmaker(self.db_engine)
         self.redis = make_redis(settings.redis_url)
         app = create_celery(settings)

@@ -44,6 +44,7 @@ from datetime import timedelta
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
+from tasks.batches import finalize_if_done
 from tasks.db import utcnow
 from tasks.protocol import EventType, JobEvent
 from tasks.settings import Settings
@@ -104,6 +105,12 @@ class DbWriter:
         self._owned_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="llmq-db-writer", daemon=True)
+        # batches some of whose lines' results were stored since the finisher last looked
+        self._batches_to_look: set[str] = set()
+        self._batches_lock = threading.Lock()
+        self._batches_stored = threading.Event()
+        self._finisher = threading.Thread(target=self._run_finisher, name="llmq-batch-finish",
+                                          daemon=True)
         self._next_renewal = 0.0
         self.num_failed_flushes = 0
 
@@ -112,6 +119,7 @@ class DbWriter:
     def start(self) -> None:
         self._next_renewal = time.monotonic() + self.settings.lease_renew_seconds
         self._thread.start()
+        self._finisher.start()
 
     def own(self, job_id: str, attempt: int) -> None:
         """Start renewing the lease of `attempt` of `job_id` (right after the claim)."""
@@ -155,6 +163,9 @@ class DbWriter:
         self._stop.set()
         self._queue.put(threading.Event())
         self._thread.join(timeout)
+        self._batches_stored.set()  # wake the finisher: a last look, then it ends
+        if self._finisher.is_alive():
+            self._finisher.join(timeout)
 
     # -- the thread ------------------------------------------------------------------------
 
@@ -267,6 +278,11 @@ class DbWriter:
                 if isinstance(item, JobResult | JobRequeue):
                     self._disown(item.job_id, item.attempt)
         self._lost(outcome.lost, items)
+        batches = {r.batch_id for r in written if r.batch_id is not None}
+        if batches:
+            with self._batches_lock:
+                self._batches_to_look |= batches
+            self._batches_stored.set()
         self._unpublished += [(r.job_id, r.event, EventFence(r.attempt or 0, 0))
                               for r in written]
         self._unpublished += [(q.job_id, JobEvent(EventType.RESTART, attempt=q.next_attempt),
@@ -290,6 +306,31 @@ class DbWriter:
                 continue
             logger.info("job %s requeued by %s (next attempt %d)",
                         q.job_id, self.group_id, q.next_attempt)
+
+    def _run_finisher(self) -> None:
+        """The batch finisher thread: after results of a batch's lines are stored, finish
+        the batch if none of its lines is left (`tasks.batches.finalize_if_done`: its
+        files and final status, once, whichever process gets there first). Here, so a
+        batch completes as its last line ends, whether or not anyone polls it (the web's
+        GET and beat's sweep still finish it too: after an outage here, say). A thread of
+        its own: a large batch's files take a while to write, and results, progress and
+        leases must not wait for them. While a batch runs, each write of its lines'
+        results (which gathers those of up to BACKGROUND_LINGER_SECONDS) brings one look:
+        two indexed reads."""
+        name_this_thread()
+        while True:
+            self._batches_stored.wait()
+            self._batches_stored.clear()
+            with self._batches_lock:
+                batches, self._batches_to_look = self._batches_to_look, set()
+            for batch_id in sorted(batches):
+                try:
+                    finalize_if_done(self.session_factory, batch_id)
+                except Exception:  # the web's GET or beat's sweep finishes it later
+                    logger.warning("batch %s: could not look whether it is done", batch_id,
+                                   exc_info=True)
+            if self._stop.is_set() and not self._batches_stored.is_set():
+                return  # stopped, and no result stored since this look began
 
     def _publish_pending(self) -> None:
         """Terminal and restart events of committed rows, in order; kept on failure."""

@@ -48,6 +48,8 @@ class JobResult:
     # a batch line's: nobody waits on it, so the writer may hold it back a little to write
     # it with others (workers/db_writer.py, BACKGROUND_LINGER_SECONDS)
     background: bool = False
+    # the batch it is a line of: once stored, the writer looks whether the batch is done
+    batch_id: str | None = None
 
 
 @dataclass(slots=True)
@@ -234,7 +236,8 @@ def unstorable(result: JobResult, exc: Exception) -> JobResult:
                      completion_tokens=result.completion_tokens,
                      cached_tokens=result.cached_tokens, event=event,
                      first_token_at=result.first_token_at, finished_at=result.finished_at,
-                     attempt=result.attempt, error_kind=JobErrorKind.SERVER_ERROR)
+                     attempt=result.attempt, error_kind=JobErrorKind.SERVER_ERROR,
+                     background=result.background, batch_id=result.batch_id)
 
 
 def _progress(item: JobProgress) -> dict[str, Any]:

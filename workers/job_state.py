@@ -150,6 +150,7 @@ class JobState:
             attempt=self.job.attempt,
             error_kind=self.error_kind if self.error is not None else None,
             background=is_batch_priority(self.job.priority),
+            batch_id=self.job.batch_id,
         )
 
     def figures(self, result: JobResult) -> JobFigures:
