@@ -16,6 +16,9 @@ os.environ["LLMQ_DTYPE"] = "float32"
 # The same for the linear path: the start-up timing could pick another one in a worker
 # subprocess than in the test process, and fp32 results differ in the last bits between them.
 os.environ["LLMQ_LINEAR_PATH"] = "prepacked"
+# A test that asks for `auto` times the paths itself, not reads what another run kept
+# (tests/test_startup_timings.py turns the cache on in a directory of its own).
+os.environ["LLMQ_TIMINGS_CACHE"] = "off"
 
 pytest_plugins = ["tests.fixtures_models", "tests.fixtures_services"]
 

@@ -29,6 +29,7 @@ from workers.engine.models.layers import (
     probe_weights,
     use_native_kernel,
 )
+from workers.engine.startup_timings import StartupTimings, TimingsCache
 from workers.engine.step_io import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -119,16 +120,27 @@ class ModelRunner:
         # per prefetch distance of the native kernel's one-row stream (bytes), the seconds
         # of a one-row pass timed at start-up, when they were (the fastest is kept)
         self.row_prefetch_probe: dict[int, float] = {}
+        # where the start-up timings are kept (`LLMQ_TIMINGS_CACHE`; None: not kept), and
+        # the timings an earlier start of this model on this machine stored there
+        self.timings_cache: TimingsCache | None = None
+        cached: StartupTimings | None = None
         if self.device.type == "cpu":
             path = linear_path_setting() if linear_path is None else check_linear_path(
                 linear_path)
-            plan = self._probe_linear_path() if path == "auto" else fixed_plan(path)
+            if path == "auto":
+                self.timings_cache = self._timings_cache()
+                cached = self.timings_cache.load() if self.timings_cache else None
+                if cached is not None:
+                    logger.info("start-up timings read from %s (an earlier start of this "
+                                "model on this machine; LLMQ_TIMINGS_CACHE=off times again)",
+                                self.timings_cache.path)
+            plan = self._probe_linear_path(cached) if path == "auto" else fixed_plan(path)
             self._apply_linear_plan(plan)
             # before the native decoder keeps the weights' addresses
             self.huge_page_bytes = huge_pages.move_to_huge_pages(self.model)
             # (the panels have their own prefetch: fp32 then leaves the one-row bodies)
             if path == "auto" and native.row_prefetch_tunable() and not self.panel_weights:
-                self._choose_row_prefetch()
+                self._choose_row_prefetch(cached)
         from kernels import dispatch
 
         self.step_kernels = "reference"
@@ -151,35 +163,63 @@ class ModelRunner:
             if self.skinny_rows:
                 self.decoder_rows = use_decoder(self.skinny_rows)
             if self.linear_probe and self.linear_path != "prepacked" and native.available():
-                self._weigh_native_decoder(use_decoder)
+                self._weigh_native_decoder(use_decoder,
+                                           timed=None if cached is None else cached.decoder_probe)
             if self.decoder_rows:
                 logger.info("decode steps of up to %d rows: every layer in one native call",
                             self.decoder_rows)
+        if self.timings_cache is not None and cached is None and self.linear_probe:
+            self.timings_cache.store(StartupTimings(
+                self.linear_probe, self.row_prefetch_probe, self.decoder_probe))
         dispatch.log_choices(self.device.type)
         logger.info("KV cache: %d blocks of %d tokens (%d bytes each) on %s", num_blocks,
                     block_size, self._bytes_per_block, self.device)
 
-    def _probe_linear_path(self) -> dense.LinearPlan:
+    def _timings_cache(self) -> TimingsCache | None:
+        """Where this model's start-up timings on this machine are kept: keyed by all that
+        decides what they find (workers/engine/startup_timings.py adds the CPU, threads,
+        versions and code)."""
+        return TimingsCache.configured(
+            config=repr(self.loaded.config), tp=f"{self.loaded.tp_rank}/{self.loaded.tp_size}",
+            probe_shapes=[(tuple(w.shape), str(w.dtype)) for w in probe_weights(self.model)],
+            block_size=self.block_size,
+            # the decode steps weighed stop at this many rows
+            max_rows=min(self.max_num_seqs, self.num_blocks, max(DECODER_PROBE_ROWS)),
+            widen=self.widen, step_kernels=step_kernels_setting(),
+            huge_pages=huge_pages.available(), native=native.isa())
+
+    def _probe_linear_path(self, cached: StartupTimings | None = None) -> dense.LinearPlan:
         """Time the paths (torch's linear, oneDNN prepacked, the native kernel) on this
         model's weights (its layers' projections up to `PROBE_MAX_BYTES`, and the LM
-        head) at a few row counts, and plan by what wins where (`dense.choose_plan`)."""
+        head) at a few row counts, and plan by what wins where (`dense.choose_plan`).
+        With `cached`, an earlier start's figures instead."""
         weights = probe_weights(self.model)
         if not weights:
             return dense.LinearPlan("reference")
         started = time.perf_counter()
-        self.linear_probe = times = dense.time_paths(weights, widen=self.widen)
-        probe_seconds = time.perf_counter() - started
+        if cached is not None and cached.linear_probe:
+            self.linear_probe = times = cached.linear_probe
+            how = "read from the start-up timings"
+        else:
+            self.linear_probe = times = dense.time_paths(weights, widen=self.widen)
+            how = f"timed in {time.perf_counter() - started:.1f} s"
         plan = dense.choose_plan(times)
-        logger.info("linear paths timed on %s, %s, %d threads, %d weights in %.1f s "
-                    "(ms per pass): %s", self.device, self.dtype, torch.get_num_threads(),
-                    len(weights), probe_seconds, dense.describe_times(times))
+        logger.info("linear paths on %s, %s, %d threads, %d weights, %s (ms per pass): %s",
+                    self.device, self.dtype, torch.get_num_threads(), len(weights), how,
+                    dense.describe_times(times))
         return plan
 
-    def _choose_row_prefetch(self) -> None:
+    def _choose_row_prefetch(self, cached: StartupTimings | None = None) -> None:
         """Time the native kernel's one-row pass over the model's weights (where they now
         live: huge pages change how far ahead a prefetch pays) at each prefetch distance,
         and keep the fastest for the process. Zen 4: no software prefetch or 2 KiB
-        ahead read 20% faster on one thread than the 16 KiB a Xeon with AMX wants."""
+        ahead read 20% faster on one thread than the 16 KiB a Xeon with AMX wants.
+        With `cached`, an earlier start's figures instead."""
+        if cached is not None:  # (an earlier start's figures; none where it timed none)
+            if cached.row_prefetch_probe:
+                self.row_prefetch_probe = cached.row_prefetch_probe
+                native.set_row_prefetch(self.row_prefetch)
+            return
         weights = probe_weights(self.model, beside_packed=True)
         if not weights or not all(native.supports(w) for w in weights):
             return
@@ -197,8 +237,8 @@ class ModelRunner:
         times = self.row_prefetch_probe
         return min(times, key=times.get) if times else None
 
-    def _weigh_native_decoder(self, use_decoder: Callable[[int], int],
-                              rounds: int = 5) -> None:
+    def _weigh_native_decoder(self, use_decoder: Callable[[int], int], rounds: int = 5,
+                              timed: dict[int, dict[str, float]] | None = None) -> None:
         """Decide how many rows the native decoder takes by timing whole decode steps:
         for each probed row count above those the plan already gives the native kernel
         (the linear probe's, then `DECODER_PROBE_ROWS`),
@@ -211,7 +251,9 @@ class ModelRunner:
         faster per call at one row, yet a one-row step runs 17 against 22-24 ms with the
         decoder (docs/benchmarks.md, "CPU speed").
 
-        Needs the plain weights: a plan that kept them (not "prepacked" alone)."""
+        Needs the plain weights: a plan that kept them (not "prepacked" alone). With
+        `timed` (an earlier start's `decoder_probe`), its figures decide instead: the
+        same row counts, the same rule, no step run."""
         from tasks.params import SamplingParams
 
         split = {module: module.plain_rows for module in self.model.modules()
@@ -239,6 +281,14 @@ class ModelRunner:
                            if m > accepted):
             if rows > min(self.max_num_seqs, self.num_blocks):
                 break
+            if timed is not None:
+                if rows not in timed:  # that start stopped before these rows
+                    break
+                self.decoder_probe[rows] = timed[rows]
+                if timed[rows]["decoder"] >= timed[rows]["plan"]:
+                    break
+                accepted = rows
+                continue
             # one new token per sequence, each in its own block: a step of decode rows
             step = SchedulerOutput([ScheduledSequence(
                 seq_id=i, token_ids=[0], start_pos=0, block_table=[i], sample=True,
@@ -251,14 +301,16 @@ class ModelRunner:
             def put(name: str, rows: int = rows, plan: int = accepted) -> None:
                 use(rows if name == "decoder" else plan)
 
-            # a large model's step tells at once: it is timed in fewer rounds
+            # a large model's step tells at once: it is timed in fewer rounds (that step
+            # is the plan's warm-up)
             put("plan")
             started_step = time.perf_counter()
             step_once()
             slow = time.perf_counter() - started_step > SLOW_STEP_SECONDS
             self.decoder_probe[rows] = alternated_medians(
                 {"plan": step_once, "decoder": step_once},
-                min(rounds, SLOW_STEP_ROUNDS) if slow else rounds, prepare=put)
+                min(rounds, SLOW_STEP_ROUNDS) if slow else rounds, prepare=put,
+                warmed=("plan",))
             self.kv_cache[:rows].zero_()
             if self.decoder_probe[rows]["decoder"] >= self.decoder_probe[rows]["plan"]:
                 break
@@ -268,9 +320,10 @@ class ModelRunner:
             self.skinny_rows = accepted
             if self.plain_rows is not None:
                 self.plain_rows = max(self.plain_rows, accepted)
-        logger.info("decode steps timed on the plan's paths / with the native decoder (ms, "
-                    "in %.1f s): %s; the decoder takes up to %d rows",
-                    time.perf_counter() - started,
+        logger.info("decode steps on the plan's paths / with the native decoder (ms, %s): "
+                    "%s; the decoder takes up to %d rows",
+                    "read from the start-up timings" if timed is not None
+                    else f"timed in {time.perf_counter() - started:.1f} s",
                     ", ".join(f"{rows} rows {t['plan'] * 1e3:.2f} / {t['decoder'] * 1e3:.2f}"
                               for rows, t in self.decoder_probe.items()), self.decoder_rows)
 
