@@ -141,6 +141,10 @@ class Batch(Base):
     num_total: Mapped[int] = mapped_column(Integer, default=0)
     num_completed: Mapped[int] = mapped_column(Integer, default=0)
     num_failed: Mapped[int] = mapped_column(Integer, default=0)
+    # the model its lines all name (None: they differ) and OpenAI's `usage` of the requests
+    # that ran, stored as it is finalized (before: summed from its lines at each look)
+    model: Mapped[str | None] = mapped_column(String(200))
+    usage: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     in_progress_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

@@ -12,8 +12,9 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import update
+from sqlalchemy import event, update
 
+from tasks.batches import batch_progress
 from tasks.db import utcnow
 from tasks.models import Job, JobStatus
 from tasks.params import SamplingParams
@@ -417,6 +418,13 @@ def test_the_writer_finishes_a_batch_once_its_last_line_is_stored(group, session
         wait_terminal(session_factory, ids[index])
     time.sleep(0.5)  # the finisher looked, and found line 2 queued
     assert batch().status == "in_progress" and batch().output_file_id is None
+    ran = [read_job(session_factory, ids[index]) for index in (0, 1)]
+    with session_factory() as session:  # a look while it runs: counted from its lines
+        counts, named, usage = batch_progress(session, batch())
+    assert counts == {"total": 3, "completed": 2, "failed": 0} and named == model
+    assert (usage["input_tokens"], usage["output_tokens"]) == (
+        sum(job.prompt_tokens for job in ran), sum(job.completion_tokens for job in ran)) \
+        and usage["output_tokens"] > 0
 
     assert group.admission.run_next_batch_jobs(model, 2) == [GenerateOutcome.ADMITTED]
     last = wait_terminal(session_factory, ids[2])
@@ -427,6 +435,26 @@ def test_the_writer_finishes_a_batch_once_its_last_line_is_stored(group, session
     with session_factory() as session:
         lines = read_file_bytes(session, done.output_file_id).decode().splitlines()
     assert [json.loads(line)["custom_id"] for line in lines] == ["r0", "r1", "r2"]
+
+    # the finished batch's figures were stored as it was finalized: a look reads them and
+    # runs no statement; they equal what its lines sum to
+    ran = [read_job(session_factory, job_id) for job_id in ids.values()]
+    assert done.model == model and done.usage["output_tokens"] == sum(
+        job.completion_tokens for job in ran)
+    statements: list[str] = []
+    with session_factory() as session:
+        found = session.get(Batch, batch_id)
+        event.listen(session.get_bind(), "before_cursor_execute",
+                     record := lambda *args: statements.append(args[2]))
+        try:
+            stored = batch_progress(session, found)
+        finally:
+            event.remove(session.get_bind(), "before_cursor_execute", record)
+        assert statements == []
+        session.expunge(found)
+        found.usage = None  # as a batch finished before its figures were stored
+        assert batch_progress(session, found) == stored == (
+            {"total": 3, "completed": 3, "failed": 0}, model, done.usage)
 
 
 def test_a_message_claims_queued_jobs_of_the_model_ahead_up_to_the_room(

@@ -25,12 +25,11 @@ from tasks.api.errors import SchemaError
 from tasks.batches import (
     EXPIRABLE,
     FINAL_STATUS,
-    batch_usage,
+    batch_progress,
     cancel_batch_jobs,
     expire_batch,
     finalize_if_done,
     new_batch_id,
-    request_counts,
 )
 from tasks.db import has_passed, keyset_after, keyset_order, update_count, utcnow
 from tasks.models import Batch, BatchStatus
@@ -156,6 +155,8 @@ def _answer(svc: Services, batch_id: str) -> dict[str, Any]:
 
 
 def batch_to_dict(session: Any, batch: Batch) -> dict[str, Any]:
+    counts, model, usage = batch_progress(session, batch)
+
     def unix(name: str) -> int | None:
         when = getattr(batch, name)
         return int(when.timestamp()) if when is not None else None
@@ -169,8 +170,7 @@ def batch_to_dict(session: Any, batch: Batch) -> dict[str, Any]:
         **{name: unix(name) for name in ("in_progress_at", "expires_at", "finalizing_at",
                                          "completed_at", "failed_at", "expired_at",
                                          "cancelling_at", "cancelled_at")},
-        "request_counts": request_counts(session, batch), "metadata": batch.metadata_,
-        **dict(zip(("model", "usage"), batch_usage(session, batch))),
+        "request_counts": counts, "metadata": batch.metadata_, "model": model, "usage": usage,
     }
 
 
