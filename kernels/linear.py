@@ -35,6 +35,8 @@ PROBE_BATCH_SIZES = (1, 2, 4, 8, 16)
 # against 102, 128 rows 174 against 142; AVX2: 32 rows 80 against 116, 64 rows 148
 # against 102; docs/benchmarks.md), so where the two cross is measured too
 WIDE_PROBE_BATCH_SIZES = (32, 64)
+# a path this many times slower than the fastest after a few rounds is timed no more
+DROP_SLOWER = 1.5
 # from this many rows a bf16 call on a CPU without native bf16 that the native kernel does
 # not take is computed in fp32 (`widened_linear`): torch's bf16 `linear` there costs about
 # 9 ms a row per pass over the 100m model's weights, widening a fixed ~100 ms (Zen 3). At
@@ -171,8 +173,11 @@ def time_paths(weights: list[torch.Tensor], batch_sizes: tuple[int, ...] | None 
                 for x, multiply in zip(xs, path):
                     multiply(x)
 
+            # (a path 1.5x slower than the fastest after 3 rounds cannot win: torch's fp32
+            # `linear` at every row count on Zen 4, about half of the timing's seconds)
             result[m] = alternated_medians(
-                {name: functools.partial(run, path) for name, path in calls.items()}, rounds)
+                {name: functools.partial(run, path) for name, path in calls.items()}, rounds,
+                drop_slower=DROP_SLOWER)
     return result
 
 

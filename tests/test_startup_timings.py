@@ -144,3 +144,30 @@ def test_a_fixed_linear_path_neither_reads_nor_keeps_timings(tiny_qwen3_tied_dir
     runner = _runner(tiny_qwen3_tied_dir)
     assert runner.timings_cache is None and runner.linear_probe == {}
     assert not timings_dir.exists() or not list(timings_dir.glob("*.json"))
+
+
+def test_alternated_medians_stops_timing_a_run_that_cannot_win(monkeypatch):
+    """A run 1.5x slower than the fastest after the settling rounds is timed no more and
+    keeps its median; the runs within reach are timed every round; `warmed` keys skip the
+    warm-up round."""
+    import types
+
+    from kernels import timing
+
+    clock = [0.0]
+    calls: dict[str, int] = {"fast": 0, "close": 0, "slow": 0}
+    cost = {"fast": 1.0, "close": 1.3, "slow": 2.0}
+
+    def run(name: str) -> None:
+        calls[name] += 1
+        clock[0] += cost[name]
+
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    runs = {name: (lambda name=name: run(name)) for name in cost}
+    medians = timing.alternated_medians(runs, 7, drop_slower=1.5, settle_rounds=3)
+    assert medians == pytest.approx(cost)
+    assert calls == {"fast": 8, "close": 8, "slow": 4}  # warm-up + 7, warm-up + 3
+
+    calls.update(dict.fromkeys(calls, 0))
+    assert timing.alternated_medians(runs, 7, warmed=("fast",)) == pytest.approx(cost)
+    assert calls == {"fast": 7, "close": 8, "slow": 8}
