@@ -26,7 +26,20 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from redis import Redis
-from sqlalchemy import ColumnElement, Row, and_, bindparam, case, func, or_, select, update
+from sqlalchemy import (
+    JSON,
+    ColumnElement,
+    Row,
+    and_,
+    bindparam,
+    case,
+    func,
+    null,
+    or_,
+    select,
+    type_coerce,
+    update,
+)
 from sqlalchemy.orm import Session, sessionmaker
 
 from tasks.db import has_passed, update_count, utcnow
@@ -165,24 +178,31 @@ def finalize_if_done(session_factory: sessionmaker[Session], batch_id: str) -> b
     return True
 
 
+# NOTE: the JSON a line needs, not the whole: its `n` out of the params, and its samples
+# only where it asked for more than one (a single sample is the row's `output_text` and
+# `finish_reason`; decoding every `output` with its token ids was a third of a batch's
+# finalizing)
+_LINE_N = func.coalesce(Job.params["n"].as_integer(), 1)
 # what `output_line` reads of a job
-_LINE_COLUMNS = (Job.id, Job.custom_id, Job.status, Job.kind, Job.model, Job.params,
-                 Job.output, Job.finish_reason, Job.prompt_tokens, Job.completion_tokens,
-                 Job.cached_tokens, Job.created_at, Job.started_at, Job.error,
-                 Job.error_kind)
+_LINE_COLUMNS = (Job.id, Job.custom_id, Job.status, Job.kind, Job.model, _LINE_N.label("n"),
+                 type_coerce(case((_LINE_N > 1, Job.output), else_=null()), JSON)
+                 .label("output"), Job.output_text, Job.finish_reason, Job.prompt_tokens,
+                 Job.completion_tokens, Job.cached_tokens, Job.created_at, Job.started_at,
+                 Job.error, Job.error_kind)
 
 
-def output_line(job: Job | Row[Any], final: BatchStatus) -> tuple[dict[str, Any], bool]:
-    """A job's line in the output file (True) or the error file (False); `job` is a Job
-    or a row of `_LINE_COLUMNS`."""
+def output_line(job: Row[Any], final: BatchStatus) -> tuple[dict[str, Any], bool]:
+    """A job's line in the output file (True) or the error file (False); `job` is a row
+    of `_LINE_COLUMNS`."""
     line: dict[str, Any] = {"id": "batch_req_" + job.id.hex, "custom_id": job.custom_id,
                             "response": None, "error": None}
     if job.status == JobStatus.SUCCEEDED.value:
         kind = JobKind(job.kind)
+        output = job.output if job.output is not None else [
+            {"index": 0, "text": job.output_text or "", "finish_reason": job.finish_reason}]
         body = completion_object(
             kind=kind, id=response_id(kind, job.id.hex), created=_unix(job.created_at),
-            model=job.model, n=int((job.params or {}).get("n", 1)), output=job.output,
-            finish_reason=job.finish_reason,
+            model=job.model, n=int(job.n), output=output, finish_reason=job.finish_reason,
             usage={"prompt_tokens": job.prompt_tokens or 0,
                    "completion_tokens": job.completion_tokens or 0,
                    "cached_tokens": job.cached_tokens or 0})
