@@ -156,8 +156,11 @@ def test_finalization_is_won_by_exactly_one_process(session_factory):
 
 def test_batch_outputs_equal_direct_requests_and_a_bad_body_fails_its_line(
         client, base_url, worker, session_factory):
-    prompts = ["name three colours", "count to five", "say hello"]
-    lines = [_chat_line(f"req-{i}", p) for i, p in enumerate(prompts)]
+    # the last asks for two samples: its body is built from the row's samples, not from
+    # the row's first sample's text as the others' are
+    prompts = ["name three colours", "count to five", "say hello", "name three colours"]
+    samples = [1, 1, 1, 2]
+    lines = [_chat_line(f"req-{i}", p, n=n) for i, (p, n) in enumerate(zip(prompts, samples))]
     lines.append(_chat_line("bad", "x", max_tokens=0))  # refused as the direct request is
     # the row keeps no tool plan to shape calls with: refused in a batch, not ignored
     lines.append(_chat_line("tools", "x", tools=[{"type": "function", "function": {
@@ -168,37 +171,38 @@ def test_batch_outputs_equal_direct_requests_and_a_bad_body_fails_its_line(
     assert batch.object == "batch" and batch.id.startswith("batch_")
     assert batch.status == "validating" and batch.request_counts.total == 0  # answered at once
     batch = _wait_status(client, batch.id, ("in_progress", "completed"))
-    assert batch.metadata == {"run": "equal"} and batch.request_counts.total == 5
+    assert batch.metadata == {"run": "equal"} and batch.request_counts.total == 6
     # each line is a job of the batch, listed like any job
     with session_factory() as session:
         jobs = session.scalars(select(Job).where(Job.batch_id == batch.id)
                                .order_by(Job.batch_index)).all()
-    assert [job.custom_id for job in jobs] == ["req-0", "req-1", "req-2", "bad", "tools"]
-    assert jobs[3].status == jobs[4].status == JobStatus.FAILED.value
+    assert [job.custom_id for job in jobs] == ["req-0", "req-1", "req-2", "req-3", "bad",
+                                               "tools"]
+    assert jobs[4].status == jobs[5].status == JobStatus.FAILED.value
     listed = requests.get(f"{base_url}/v1/jobs", params={"batch_id": batch.id}, timeout=30)
     assert sorted(job["custom_id"] for job in listed.json()["data"]) == [
-        "bad", "req-0", "req-1", "req-2", "tools"]
+        "bad", "req-0", "req-1", "req-2", "req-3", "tools"]
     assert {job["batch_id"] for job in listed.json()["data"]} == {batch.id}
 
     done = _wait_status(client, batch.id, ("completed", "failed", "expired", "cancelled"))
     assert done.status == "completed" and done.completed_at and done.output_file_id
     output, errors = _every_line_once(client, done, [line["custom_id"] for line in lines])
-    assert done.request_counts.completed == 3 and done.request_counts.failed == 2
+    assert done.request_counts.completed == 4 and done.request_counts.failed == 2
     # its usage: the tokens of the requests that ran (the two refused ones never did)
     usages = [line["response"]["body"]["usage"] for line in output]
     assert done.model == "tiny" and done.usage is not None
     assert done.usage.input_tokens == sum(u["prompt_tokens"] for u in usages) > 0
-    assert done.usage.output_tokens == sum(u["completion_tokens"] for u in usages) == 18
+    assert done.usage.output_tokens == sum(u["completion_tokens"] for u in usages) == 30
     assert done.usage.input_tokens_details.cached_tokens == sum(
         u["prompt_tokens_details"]["cached_tokens"] for u in usages)
     assert done.usage.total_tokens == done.usage.input_tokens + done.usage.output_tokens
-    assert [line["custom_id"] for line in output] == ["req-0", "req-1", "req-2"]
-    for line, prompt in zip(output, prompts):
+    assert [line["custom_id"] for line in output] == ["req-0", "req-1", "req-2", "req-3"]
+    for line, prompt, n in zip(output, prompts, samples):
         assert line["id"].startswith("batch_req_") and line["error"] is None
         assert line["response"]["status_code"] == 200
         direct = client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=6,
-            temperature=0.0, extra_body={"ignore_eos": True}).model_dump(mode="json")
+            temperature=0.0, n=n, extra_body={"ignore_eos": True}).model_dump(mode="json")
         body = line["response"]["body"]
         assert set(body) == {k for k, v in direct.items() if v is not None} | {
             "system_fingerprint"}
@@ -207,6 +211,7 @@ def test_batch_outputs_equal_direct_requests_and_a_bad_body_fails_its_line(
             "index", "message", "logprobs", "finish_reason")} | {"message": {
                 "role": "assistant", "content": choice["message"]["content"]}}
             for choice in direct["choices"]]
+        assert len(body["choices"]) == n and body["choices"][-1]["message"]["content"]
         for name in ("prompt_tokens", "completion_tokens", "total_tokens"):
             assert body["usage"][name] == direct["usage"][name]
         assert body["id"] == "chatcmpl-" + uuid.UUID(line["response"]["request_id"]).hex
