@@ -95,6 +95,9 @@ class _Library:
         lib.llmq_panels_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
         lib.llmq_panels_f32.restype = ctypes.c_int
         self.panels_f32 = lib.llmq_panels_f32
+        lib.llmq_panels_set_row_prefetch.argtypes = [i64]
+        lib.llmq_panels_set_row_prefetch.restype = None
+        self.set_panel_row_prefetch = lib.llmq_panels_set_row_prefetch
         flt = ctypes.c_float
         signatures = {
             "rms_norm": [ptr, i64, i64, i64, i64, i64, ptr, flt, ptr, ctypes.c_int],
@@ -302,6 +305,43 @@ def time_row_prefetch(weights: list[torch.Tensor], choices: tuple[int, ...] = RO
         times = alternated_medians({choice: one_row_pass for choice in choices}, rounds,
                                    prepare=set_row_prefetch)
     set_row_prefetch(choices[0])
+    return times
+
+
+# How a one-row call on fp32 panels prefetches (`panel_linear`), first the build's default:
+# NEXT_PANEL (the panel after the one it reads, as calls of more rows do), then bytes
+# ahead of its own stream (0: no software prefetch). The start-up timing
+# (`time_panel_row_prefetch`) keeps the fastest.
+NEXT_PANEL = -1
+PANEL_ROW_PREFETCH_CHOICES = (NEXT_PANEL, 2048, 0)
+
+
+def set_panel_row_prefetch(num_bytes: int) -> None:
+    """How one-row calls on panels prefetch (`PANEL_ROW_PREFETCH_CHOICES`), for every
+    later call in this process."""
+    library = _loaded()
+    if num_bytes < NEXT_PANEL:
+        raise ValueError(f"a panel prefetch is NEXT_PANEL or >= 0 bytes, not {num_bytes}")
+    library.set_panel_row_prefetch(num_bytes)
+
+
+def time_panel_row_prefetch(panels: list[tuple[torch.Tensor, int]],
+                            choices: tuple[int, ...] = PANEL_ROW_PREFETCH_CHOICES,
+                            rounds: int = 11) -> dict[int, float]:
+    """Per choice, the median seconds of a one-row pass over `panels` ((`pack_panels`
+    result, out_features) pairs) with `panel_linear` (the choices alternated,
+    `timing.alternated_medians`). Leaves the first choice set; the caller sets the one it
+    keeps."""
+    with torch.inference_mode():
+        xs = [torch.randn(1, packed.shape[1]) for packed, _ in panels]
+
+        def one_row_pass() -> None:
+            for x, (packed, out_features) in zip(xs, panels):
+                panel_linear(x, packed, out_features)
+
+        times = alternated_medians({choice: one_row_pass for choice in choices}, rounds,
+                                   prepare=set_panel_row_prefetch)
+    set_panel_row_prefetch(choices[0])
     return times
 
 

@@ -256,6 +256,62 @@ def test_the_runner_keeps_the_fastest_row_prefetch_where_the_build_takes_one(
         native.set_row_prefetch(native.ROW_PREFETCH_CHOICES[0])
 
 
+def test_the_panels_row_prefetch_changes_no_bits():
+    """A one-row call on panels reads the same elements in the same order whatever it
+    prefetches (the next panel, bytes ahead, nothing); calls of more rows do not read the
+    setting; a value below NEXT_PANEL is refused."""
+    gen = torch.Generator().manual_seed(11)
+    weight = torch.randn(1000, 768, generator=gen)
+    panels = native.pack_panels(weight)
+    outputs: dict[int, list[torch.Tensor]] = {1: [], 5: []}
+    try:
+        for choice in (*native.PANEL_ROW_PREFETCH_CHOICES, 64, 1 << 20):
+            native.set_panel_row_prefetch(choice)
+            for rows, got in outputs.items():
+                x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows))
+                got.append(native.panel_linear(x, panels, 1000))
+    finally:
+        native.set_panel_row_prefetch(native.NEXT_PANEL)
+    for got in outputs.values():
+        assert all(torch.equal(out, got[0]) for out in got[1:])
+    with pytest.raises(ValueError, match="-2"):
+        native.set_panel_row_prefetch(-2)
+    times = native.time_panel_row_prefetch([(panels, 1000)], rounds=2)
+    assert set(times) == set(native.PANEL_ROW_PREFETCH_CHOICES) and all(
+        t > 0 for t in times.values())
+
+
+def test_the_runner_keeps_the_fastest_panel_row_prefetch(tiny_qwen3_tied_dir, monkeypatch):
+    """With fp32 weights in panels, `auto` times one-row passes on them per way of
+    prefetching and keeps the fastest; without panels, or on a fixed path, nothing."""
+    from workers.engine.loader import load_checkpoint
+    from workers.engine.model_runner import ModelRunner
+
+    monkeypatch.setenv("LLMQ_LINEAR_PATH", "auto")
+    chosen = []
+    monkeypatch.setattr(native, "set_panel_row_prefetch",
+                        lambda n, set_=native.set_panel_row_prefetch: (chosen.append(n),
+                                                                       set_(n)))
+    try:
+        runner = ModelRunner(load_checkpoint(tiny_qwen3_tied_dir, dtype="float32"),
+                             kv_cache_bytes=1 << 20)
+        if runner.panel_weights:
+            times = runner.panel_prefetch_probe
+            assert set(times) == set(native.PANEL_ROW_PREFETCH_CHOICES)
+            assert runner.panel_row_prefetch == min(times, key=times.get) == chosen[-1]
+        else:
+            assert runner.panel_prefetch_probe == {} and runner.panel_row_prefetch is None
+        bf16 = ModelRunner(load_checkpoint(tiny_qwen3_tied_dir, dtype="bfloat16"),
+                           kv_cache_bytes=1 << 20)
+        assert not bf16.panel_weights and bf16.panel_prefetch_probe == {}
+        monkeypatch.setenv("LLMQ_LINEAR_PATH", "native")
+        fixed = ModelRunner(load_checkpoint(tiny_qwen3_tied_dir, dtype="float32"),
+                            kv_cache_bytes=1 << 20)
+        assert fixed.panel_prefetch_probe == {} and fixed.panel_row_prefetch is None
+    finally:
+        native.set_panel_row_prefetch(native.NEXT_PANEL)
+
+
 def test_without_a_compiler_the_native_path_falls_back_to_prepacked(tmp_path,
                                                                     tiny_qwen3_tied_dir):
     """A machine with no C compiler: the build fails, the reason is logged, `native` asked

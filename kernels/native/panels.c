@@ -20,7 +20,14 @@
  * from L2); while they do, the panel after it is prefetched into L2, spread evenly over
  * the groups' steps, so the memory stream never waits on the multiply-adds or the other
  * way round. Each output is summed over k in order, one fused multiply-add at a time.
- * Threads split the panels (OpenMP). */
+ * Threads split the panels (OpenMP).
+ *
+ * A call of one row reads each panel once, so there is nothing to stage in L2 for later
+ * groups: it prefetches as `row_prefetch` says (llmq_panels_set_row_prefetch), which the
+ * engine picks at start-up by timing. Zen 4, the 100m model's panels, alternated: a
+ * one-row pass with no software prefetch or 2 KiB ahead of the stream took 0.79-0.84 of
+ * the next-panel scheme's time on one thread and 0.93-0.97 on two; from 4 rows on, the
+ * next panel (or 8 KiB ahead) wins again, so calls of several rows keep it. */
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -67,7 +74,15 @@ typedef __m256 vec;
 /* bytes of a thread's first panel asked for at once, before its first step */
 #define FIRST_BYTES 16384
 
+/* a one-row call's prefetch: -1 the next panel (as calls of more rows), 0 none, else
+ * this many bytes ahead of the stream it reads */
+static int64_t row_prefetch = -1;
+
 int64_t llmq_panel_width(void) { return NP; }
+
+/* how a one-row call prefetches from now on (see row_prefetch); set between calls, not
+ * during one */
+void llmq_panels_set_row_prefetch(int64_t bytes) { row_prefetch = bytes < -1 ? -1 : bytes; }
 
 /* wp [ceil(N / NP)][K][NP] from w [N, K] row-major */
 void llmq_pack_panels_f32(const float *w, float *wp, int64_t N, int64_t K, int threads) {
@@ -90,7 +105,7 @@ void llmq_pack_panels_f32(const float *w, float *wp, int64_t N, int64_t K, int t
 
 /* the sums of `mr` rows of x against one panel: xt [K][mr] (x transposed), the panel
  * [K][NP]; out [mr][NP]. At step k it prefetches the line `ahead + base + k * step / 2^16`
- * (and the next): its share of the panel after this one. */
+ * (and the next): its share of the panel after this one (`ahead` NULL: nothing). */
 static ALWAYS_INLINE void panel_rows(const float *xt, const float *wp, int64_t K, int64_t mr,
                                      float *out, const char *ahead, int64_t base,
                                      int64_t step) {
@@ -98,9 +113,11 @@ static ALWAYS_INLINE void panel_rows(const float *xt, const float *wp, int64_t K
     vec acc[MRP][2];
     for (int64_t i = 0; i < mr; ++i) acc[i][0] = acc[i][1] = VZERO();
     for (int64_t k = 0; k < K; ++k) {
-        const char *a = ahead + ((base + ((k * step) >> 16)) & ~(int64_t)(LINE - 1));
-        __builtin_prefetch(a, 0, 2);
-        __builtin_prefetch(a + LINE, 0, 2);
+        if (ahead) {
+            const char *a = ahead + ((base + ((k * step) >> 16)) & ~(int64_t)(LINE - 1));
+            __builtin_prefetch(a, 0, 2);
+            __builtin_prefetch(a + LINE, 0, 2);
+        }
         const float *wk = wp + k * NP;
         vec w0 = VLOAD(wk), w1 = VLOAD(wk + VL);
         const float *xk = xt + k * mr;
@@ -181,8 +198,11 @@ int llmq_panels_f32(const float *x, const float *wp, const float *bias, float *y
         float out[MRP * NP];
         for (int64_t p = first; p < end; ++p) {
             const float *panel = wp + p * K * NP;
-            /* the next panel, or this one again (already near) after the last */
+            /* the next panel, or this one again (already near) after the last; one row:
+             * as row_prefetch says */
             const char *ahead = (const char *)(p + 1 < end ? panel + K * NP : panel);
+            if (M == 1 && row_prefetch >= 0)
+                ahead = row_prefetch ? (const char *)panel + row_prefetch : NULL;
             int64_t valid = N - p * NP < NP ? N - p * NP : NP;
             for (int64_t g = 0; g < groups; ++g) {
                 int64_t m = g * M / groups, mr = (g + 1) * M / groups - m;

@@ -26,6 +26,7 @@ from workers.engine.models.layers import (
     drop_unused_plain_weights,
     pack_panels,
     prepack_linears,
+    probe_panels,
     probe_weights,
     use_native_kernel,
 )
@@ -120,6 +121,9 @@ class ModelRunner:
         # per prefetch distance of the native kernel's one-row stream (bytes), the seconds
         # of a one-row pass timed at start-up, when they were (the fastest is kept)
         self.row_prefetch_probe: dict[int, float] = {}
+        # the same for one-row calls on fp32 panels, per choice (`native.NEXT_PANEL` or
+        # bytes ahead; the fastest is kept)
+        self.panel_prefetch_probe: dict[int, float] = {}
         # where the start-up timings are kept (`LLMQ_TIMINGS_CACHE`; None: not kept), and
         # the timings an earlier start of this model on this machine stored there
         self.timings_cache: TimingsCache | None = None
@@ -141,6 +145,8 @@ class ModelRunner:
             # (the panels have their own prefetch: fp32 then leaves the one-row bodies)
             if path == "auto" and native.row_prefetch_tunable() and not self.panel_weights:
                 self._choose_row_prefetch(cached)
+            if path == "auto" and self.panel_weights:
+                self._choose_panel_row_prefetch(cached)
         from kernels import dispatch
 
         self.step_kernels = "reference"
@@ -170,7 +176,8 @@ class ModelRunner:
                             self.decoder_rows)
         if self.timings_cache is not None and cached is None and self.linear_probe:
             self.timings_cache.store(StartupTimings(
-                self.linear_probe, self.row_prefetch_probe, self.decoder_probe))
+                self.linear_probe, self.row_prefetch_probe, self.decoder_probe,
+                self.panel_prefetch_probe))
         dispatch.log_choices(self.device.type)
         logger.info("KV cache: %d blocks of %d tokens (%d bytes each) on %s", num_blocks,
                     block_size, self._bytes_per_block, self.device)
@@ -215,27 +222,41 @@ class ModelRunner:
         and keep the fastest for the process. Zen 4: no software prefetch or 2 KiB
         ahead read 20% faster on one thread than the 16 KiB a Xeon with AMX wants.
         With `cached`, an earlier start's figures instead."""
-        if cached is not None:  # (an earlier start's figures; none where it timed none)
-            if cached.row_prefetch_probe:
-                self.row_prefetch_probe = cached.row_prefetch_probe
-                native.set_row_prefetch(self.row_prefetch)
-            return
-        weights = probe_weights(self.model, beside_packed=True)
-        if not weights or not all(native.supports(w) for w in weights):
-            return
-        started = time.perf_counter()
-        self.row_prefetch_probe = times = native.time_row_prefetch(weights)
-        native.set_row_prefetch(self.row_prefetch)
-        logger.info("one-row passes with the native kernel prefetching N bytes ahead (ms, "
-                    "in %.1f s): %s; keeping %d", time.perf_counter() - started,
-                    ", ".join(f"{n} {t * 1e3:.2f}" for n, t in times.items()),
-                    self.row_prefetch)
+        def measure() -> dict[int, float]:
+            weights = probe_weights(self.model, beside_packed=True)
+            if not weights or not all(native.supports(w) for w in weights):
+                return {}
+            return native.time_row_prefetch(weights)
+
+        self.row_prefetch_probe = _keep_fastest(
+            None if cached is None else cached.row_prefetch_probe, measure,
+            native.set_row_prefetch, "with the native kernel prefetching N bytes ahead")
 
     @property
     def row_prefetch(self) -> int | None:
         """The prefetch distance the start-up timing kept (None: nothing was timed)."""
-        times = self.row_prefetch_probe
-        return min(times, key=times.get) if times else None
+        return _fastest(self.row_prefetch_probe)
+
+    def _choose_panel_row_prefetch(self, cached: StartupTimings | None = None) -> None:
+        """Time one-row passes over the model's fp32 panels (in huge pages, where they
+        now are) with each way of prefetching (`native.PANEL_ROW_PREFETCH_CHOICES`), and
+        keep the fastest for the process. Zen 4: none, or 2 KiB ahead, took 0.79-0.84 of
+        the next-panel scheme's time on one thread. With `cached`, an earlier start's
+        figures instead."""
+        def measure() -> dict[int, float]:
+            panels = probe_panels(self.model)
+            return native.time_panel_row_prefetch(panels) if panels else {}
+
+        self.panel_prefetch_probe = _keep_fastest(
+            None if cached is None else cached.panel_prefetch_probe, measure,
+            native.set_panel_row_prefetch,
+            "on fp32 panels prefetching the next panel (-1) or N bytes ahead")
+
+    @property
+    def panel_row_prefetch(self) -> int | None:
+        """How one-row calls on panels prefetch, as the start-up timing kept (None:
+        nothing was timed; the build's default, the next panel)."""
+        return _fastest(self.panel_prefetch_probe)
 
     def _weigh_native_decoder(self, use_decoder: Callable[[int], int], rounds: int = 5,
                               timed: dict[int, dict[str, float]] | None = None) -> None:
@@ -544,6 +565,28 @@ def available_memory() -> int | None:
     except OSError:
         return None
     return None
+
+
+def _fastest(times: dict[int, float]) -> int | None:
+    """The choice of least time (None: nothing was timed)."""
+    return min(times, key=times.get) if times else None
+
+
+def _keep_fastest(cached: dict[int, float] | None, measure: Callable[[], dict[int, float]],
+                  keep: Callable[[int], None], what: str) -> dict[int, float]:
+    """The seconds of one-row passes per prefetch choice, `cached` (an earlier start's) or
+    measured now (`measure`; logged as one-row passes `what`); the fastest is `keep`-ed
+    for the process. Returns the figures (empty: nothing timed, the default stays)."""
+    started = time.perf_counter()
+    times = cached if cached is not None else measure()
+    if times:
+        keep(_fastest(times))
+        if cached is None:
+            logger.info("one-row passes %s (ms, in %.1f s): %s; keeping %d", what,
+                        time.perf_counter() - started,
+                        ", ".join(f"{n} {t * 1e3:.2f}" for n, t in times.items()),
+                        _fastest(times))
+    return times
 
 
 def linear_path_setting() -> str:

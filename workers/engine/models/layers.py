@@ -391,6 +391,23 @@ def drop_unused_plain_weights(model: nn.Module) -> int:
 PROBE_MAX_BYTES = 512 << 20
 
 
+def probe_panels(model: nn.Module, max_bytes: int = PROBE_MAX_BYTES
+                 ) -> list[tuple[torch.Tensor, int]]:
+    """(panels, out_features) of the projections of `model` packed in panels, in model
+    order up to `max_bytes`: what a start-up timing of one-row calls on panels streams."""
+    chosen: list[tuple[torch.Tensor, int]] = []
+    total = 0
+    for module in model.modules():
+        if not isinstance(module, LinearBase | ParallelLMHead) or module.panel_weight is None:
+            continue
+        size = module.panel_weight.numel() * module.panel_weight.element_size()
+        if chosen and total + size > max_bytes:
+            break
+        chosen.append((module.panel_weight, module.panel_features))
+        total += size
+    return chosen
+
+
 def probe_weights(model: nn.Module, max_bytes: int = PROBE_MAX_BYTES, *,
                   beside_packed: bool = False) -> list[torch.Tensor]:
     """The plain projection weights a start-up timing of the linear paths runs over: every
