@@ -65,16 +65,28 @@ class StartupTimings:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> StartupTimings:
-        """Raises ValueError (or KeyError, TypeError) for a record of another shape."""
-        def by_path(raw: dict[str, Any]) -> dict[int, dict[str, float]]:
-            return {int(m): {str(name): float(t) for name, t in times.items()}
-                    for m, times in raw.items()}
-        return cls(linear_probe=by_path(data["linear_probe"]),
-                   row_prefetch_probe={int(n): float(t)
-                                       for n, t in data["row_prefetch_probe"].items()},
-                   decoder_probe=by_path(data["decoder_probe"]),
-                   panel_prefetch_probe={int(n): float(t)
-                                         for n, t in data["panel_prefetch_probe"].items()})
+        """Raises ValueError (or KeyError, TypeError) for a record of another shape: every
+        figure a positive number of seconds, every linear row count timed on torch's
+        `linear`, every decode step on the plan's paths and with the decoder."""
+        def seconds(t: Any) -> float:
+            value = float(t)
+            if not 0.0 < value < float("inf"):
+                raise ValueError(f"{t!r} is not a time")
+            return value
+
+        def by_choice(raw: dict[str, Any]) -> dict[int, float]:
+            return {int(n): seconds(t) for n, t in raw.items()}
+
+        def by_path(raw: dict[str, Any], needed: set[str]) -> dict[int, dict[str, float]]:
+            out = {int(m): {str(name): seconds(t) for name, t in times.items()}
+                   for m, times in raw.items()}
+            if any(not needed <= set(times) for times in out.values()):
+                raise ValueError(f"a row count without {', '.join(sorted(needed))}")
+            return out
+        return cls(linear_probe=by_path(data["linear_probe"], {"reference"}),
+                   row_prefetch_probe=by_choice(data["row_prefetch_probe"]),
+                   decoder_probe=by_path(data["decoder_probe"], {"plan", "decoder"}),
+                   panel_prefetch_probe=by_choice(data["panel_prefetch_probe"]))
 
 
 def cache_dir() -> Path | None:
