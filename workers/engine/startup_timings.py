@@ -67,7 +67,8 @@ class StartupTimings:
     def from_json(cls, data: dict[str, Any]) -> StartupTimings:
         """Raises ValueError (or KeyError, TypeError) for a record of another shape: every
         figure a positive number of seconds, every linear row count timed on torch's
-        `linear`, every decode step on the plan's paths and with the decoder."""
+        `linear` and the same other paths, every decode step on the plan's paths and with
+        the decoder."""
         def seconds(t: Any) -> float:
             value = float(t)
             if not 0.0 < value < float("inf"):
@@ -80,8 +81,10 @@ class StartupTimings:
         def by_path(raw: dict[str, Any], needed: set[str]) -> dict[int, dict[str, float]]:
             out = {int(m): {str(name): seconds(t) for name, t in times.items()}
                    for m, times in raw.items()}
-            if any(not needed <= set(times) for times in out.values()):
-                raise ValueError(f"a row count without {', '.join(sorted(needed))}")
+            names = {frozenset(times) for times in out.values()}
+            if len(names) > 1 or any(not needed <= name for name in names):
+                raise ValueError(f"row counts timed on other paths than "
+                                 f"{', '.join(sorted(needed))} and the same others")
             return out
         return cls(linear_probe=by_path(data["linear_probe"], {"reference"}),
                    row_prefetch_probe=by_choice(data["row_prefetch_probe"]),
