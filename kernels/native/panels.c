@@ -26,8 +26,9 @@
  * groups: it prefetches as `row_prefetch` says (llmq_panels_set_row_prefetch), which the
  * engine picks at start-up by timing. Zen 4, the 100m model's panels, alternated: a
  * one-row pass with no software prefetch or 2 KiB ahead of the stream took 0.79-0.84 of
- * the next-panel scheme's time on one thread and 0.93-0.97 on two; from 4 rows on, the
- * next panel (or 8 KiB ahead) wins again, so calls of several rows keep it. */
+ * the next-panel scheme's time on one thread and 0.93-0.97 on two. At 4 and 8 rows those
+ * two took 1.09-1.11 of it on one thread, and 8 KiB ahead 0.88-1.01 in two runs (0.95-0.97
+ * on two threads): calls of several rows keep the next panel. */
 
 #include <stdint.h>
 #include <stdlib.h>
