@@ -97,7 +97,14 @@ def cache_dir() -> Path | None:
     configured = os.environ.get(TIMINGS_CACHE_ENV, "").strip()
     if configured.lower() == "off":
         return None
-    return Path(configured) if configured else Path.home() / ".cache" / "llmq" / "timings"
+    if configured:
+        return Path(configured)
+    try:
+        return Path.home() / ".cache" / "llmq" / "timings"
+    except RuntimeError:  # a user without a home directory (say, an unnamed uid)
+        logger.warning("no home directory for the start-up timings: every start times; "
+                       "set %s to keep them", TIMINGS_CACHE_ENV)
+        return None
 
 
 def _code_digest() -> str:
