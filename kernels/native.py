@@ -139,7 +139,12 @@ def build(march: str = "native") -> _Library | None:
     source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
     key = hashlib.sha256(source + " ".join((*CFLAGS, march)).encode()
                          + cpu_description_key().encode()).hexdigest()[:16]
-    target = cache_dir() / f"llmq-cpu-{march}-{key}.so"
+    try:
+        target = cache_dir() / f"llmq-cpu-{march}-{key}.so"
+    except RuntimeError:  # no home directory (an unnamed uid): nowhere safe to build
+        logger.warning("native CPU kernel unavailable: no home directory to build it in; "
+                       "set %s; torch's linear paths only", CACHE_ENV)
+        return None
     try:
         if not target.exists():
             _build(SOURCES, target, march)

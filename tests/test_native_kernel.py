@@ -826,3 +826,18 @@ def test_the_native_decoder_gives_its_step_up_when_its_stop_flag_is_set(tiny_qwe
     assert stopped.value.layer == 0
     got = decoder(hidden, cos, sin, meta, flag, 0)  # reads it before no layer
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_without_a_home_directory_the_native_kernel_is_left_out(monkeypatch, caplog):
+    """A user without a home directory (an unnamed uid in a container) and no
+    LLMQ_KERNEL_CACHE: the kernel is not built anywhere else (a shared directory could
+    hand it another user's library), the start goes on without it, and says why."""
+    import logging
+
+    def no_home() -> None:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(native, "cache_dir", no_home)
+    with caplog.at_level(logging.WARNING, logger="kernels.native"):
+        assert native.build.__wrapped__("native") is None
+    assert "no home directory" in caplog.text and native.CACHE_ENV in caplog.text

@@ -186,3 +186,19 @@ def test_alternated_medians_stops_timing_a_run_that_cannot_win(monkeypatch):
     calls.update(dict.fromkeys(calls, 0))
     assert timing.alternated_medians(runs, 7, warmed=("fast",)) == pytest.approx(cost)
     assert calls == {"fast": 7, "close": 8, "slow": 8}
+
+
+def test_without_a_home_directory_nothing_is_kept(monkeypatch, caplog):
+    from pathlib import Path
+
+    from workers.engine import startup_timings
+
+    def no_home() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.delenv(TIMINGS_CACHE_ENV, raising=False)
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    with caplog.at_level(logging.WARNING, logger="workers.engine.startup_timings"):
+        assert startup_timings.cache_dir() is None
+        assert startup_timings.TimingsCache.configured(config="x") is None
+    assert TIMINGS_CACHE_ENV in caplog.text
