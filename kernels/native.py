@@ -27,6 +27,7 @@ import logging
 import os
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -300,16 +301,23 @@ def time_row_prefetch(weights: list[torch.Tensor], choices: tuple[int, ...] = RO
     """Per prefetch distance, the median seconds of a one-row pass over `weights` on the
     native kernel (the choices alternated, `timing.alternated_medians`). Leaves the
     distance at the first choice; the caller sets the one it keeps."""
+    xs = [torch.randn(1, w.shape[1], dtype=w.dtype) for w in weights]
+
+    def one_row_pass() -> None:
+        for x, w in zip(xs, weights):
+            skinny_linear(x, w)
+
+    return _time_choices(one_row_pass, choices, rounds, set_row_prefetch)
+
+
+def _time_choices(one_row_pass: Callable[[], None], choices: tuple[int, ...], rounds: int,
+                  set_choice: Callable[[int], None]) -> dict[int, float]:
+    """Per choice (set with `set_choice`, untimed), the median seconds of `one_row_pass`,
+    the choices alternated (`timing.alternated_medians`); leaves the first choice set."""
     with torch.inference_mode():
-        xs = [torch.randn(1, w.shape[1], dtype=w.dtype) for w in weights]
-
-        def one_row_pass() -> None:
-            for x, w in zip(xs, weights):
-                skinny_linear(x, w)
-
         times = alternated_medians({choice: one_row_pass for choice in choices}, rounds,
-                                   prepare=set_row_prefetch)
-    set_row_prefetch(choices[0])
+                                   prepare=set_choice)
+    set_choice(choices[0])
     return times
 
 
@@ -337,17 +345,13 @@ def time_panel_row_prefetch(panels: list[tuple[torch.Tensor, int]],
     result, out_features) pairs) with `panel_linear` (the choices alternated,
     `timing.alternated_medians`). Leaves the first choice set; the caller sets the one it
     keeps."""
-    with torch.inference_mode():
-        xs = [torch.randn(1, packed.shape[1]) for packed, _ in panels]
+    xs = [torch.randn(1, packed.shape[1]) for packed, _ in panels]
 
-        def one_row_pass() -> None:
-            for x, (packed, out_features) in zip(xs, panels):
-                panel_linear(x, packed, out_features)
+    def one_row_pass() -> None:
+        for x, (packed, out_features) in zip(xs, panels):
+            panel_linear(x, packed, out_features)
 
-        times = alternated_medians({choice: one_row_pass for choice in choices}, rounds,
-                                   prepare=set_panel_row_prefetch)
-    set_panel_row_prefetch(choices[0])
-    return times
+    return _time_choices(one_row_pass, choices, rounds, set_panel_row_prefetch)
 
 
 # ---- the small operations of a step (native/step_ops.c) ---------------------------------
