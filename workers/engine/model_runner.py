@@ -131,14 +131,17 @@ class ModelRunner:
         if self.device.type == "cpu":
             path = linear_path_setting() if linear_path is None else check_linear_path(
                 linear_path)
+            # the projection weights the linear paths are timed on (and the timings keyed by)
+            weights = probe_weights(self.model) if path == "auto" else []
             if path == "auto":
-                self.timings_cache = self._timings_cache()
+                self.timings_cache = self._timings_cache(weights)
                 cached = self.timings_cache.load() if self.timings_cache else None
                 if cached is not None:
                     logger.info("start-up timings read from %s (an earlier start of this "
                                 "model on this machine; LLMQ_TIMINGS_CACHE=off times again)",
                                 self.timings_cache.path)
-            plan = self._probe_linear_path(cached) if path == "auto" else fixed_plan(path)
+            plan = (self._probe_linear_path(weights, cached) if path == "auto"
+                    else fixed_plan(path))
             self._apply_linear_plan(plan)
             # before the native decoder keeps the weights' addresses
             self.huge_page_bytes = huge_pages.move_to_huge_pages(self.model)
@@ -182,25 +185,25 @@ class ModelRunner:
         logger.info("KV cache: %d blocks of %d tokens (%d bytes each) on %s", num_blocks,
                     block_size, self._bytes_per_block, self.device)
 
-    def _timings_cache(self) -> TimingsCache | None:
+    def _timings_cache(self, weights: list[torch.Tensor]) -> TimingsCache | None:
         """Where this model's start-up timings on this machine are kept: keyed by all that
         decides what they find (workers/engine/startup_timings.py adds the CPU, threads,
-        versions and code)."""
+        versions and code); `weights`: those the linear paths are timed on."""
         return TimingsCache.configured(
             config=repr(self.loaded.config), tp=f"{self.loaded.tp_rank}/{self.loaded.tp_size}",
-            probe_shapes=[(tuple(w.shape), str(w.dtype)) for w in probe_weights(self.model)],
+            probe_shapes=[(tuple(w.shape), str(w.dtype)) for w in weights],
             block_size=self.block_size,
             # the decode steps weighed stop at this many rows
             max_rows=min(self.max_num_seqs, self.num_blocks, max(DECODER_PROBE_ROWS)),
             widen=self.widen, step_kernels=step_kernels_setting(),
             huge_pages=huge_pages.available(), native=native.isa())
 
-    def _probe_linear_path(self, cached: StartupTimings | None = None) -> dense.LinearPlan:
-        """Time the paths (torch's linear, oneDNN prepacked, the native kernel) on this
-        model's weights (its layers' projections up to `PROBE_MAX_BYTES`, and the LM
-        head) at a few row counts, and plan by what wins where (`dense.choose_plan`).
-        With `cached`, an earlier start's figures instead."""
-        weights = probe_weights(self.model)
+    def _probe_linear_path(self, weights: list[torch.Tensor],
+                           cached: StartupTimings | None = None) -> dense.LinearPlan:
+        """Time the paths (torch's linear, oneDNN prepacked, the native kernel) on
+        `weights` (`probe_weights`: the layers' projections up to `PROBE_MAX_BYTES`, and
+        the LM head) at a few row counts, and plan by what wins where
+        (`dense.choose_plan`). With `cached`, an earlier start's figures instead."""
         if not weights:
             return dense.LinearPlan("reference")
         started = time.perf_counter()
