@@ -104,8 +104,12 @@ def batch_progress(session: Session, batch: Batch
         failed = counts.get(JobStatus.FAILED.value, 0) + counts.get(JobStatus.CANCELLED.value, 0)
         stored = {"total": batch.num_total,
                   "completed": counts.get(JobStatus.SUCCEEDED.value, 0), "failed": failed}
-    return stored, (models.pop() if len(models) == 1 else None), usage_object(
-        prompt, cached, completion)
+    return stored, the_one_model(models), usage_object(prompt, cached, completion)
+
+
+def the_one_model(models: set[str]) -> str | None:
+    """A batch's `model`: the one its lines all name, None where they differ."""
+    return next(iter(models)) if len(models) == 1 else None
 
 
 def usage_object(prompt: int, cached: int, completion: int) -> dict[str, Any]:
@@ -160,7 +164,7 @@ def finalize_if_done(session_factory: sessionmaker[Session], batch_id: str) -> b
                 tokens[2] += job.completion_tokens or 0
         models = {job.model for job in jobs}
         values: dict[str, Any] = {"num_completed": len(output), "num_failed": len(errors),
-                                  "model": models.pop() if len(models) == 1 else None,
+                                  "model": the_one_model(models),
                                   "usage": usage_object(*tokens)}
         keep = batch.output_expires_seconds
         expires_at = now + timedelta(seconds=keep) if keep is not None else None
