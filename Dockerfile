@@ -23,7 +23,12 @@ COPY kernels kernels
 COPY migrations migrations
 RUN pip install .
 
-RUN useradd --create-home llmq && mkdir -p /models && chown llmq /models
+# ~/.cache/llmq: the native kernel a worker builds and its start-up timings (keyed by the
+# CPU, the code and the model; kernels/native.py, workers/engine/startup_timings.py).
+# Created here, owned by llmq, so the named volume docker-compose mounts on it starts out
+# writable and a recreated worker reuses them instead of building and timing again.
+RUN useradd --create-home llmq && mkdir -p /models /home/llmq/.cache/llmq \
+    && chown llmq /models && chown -R llmq /home/llmq/.cache
 USER llmq
 EXPOSE 8000
 CMD ["llmq", "--help"]

@@ -67,10 +67,19 @@ def test_llmq_image_is_built_here_and_never_pulled() -> None:
     for name in ("web", "worker", "model"):
         assert "/models" in str(services[name].get("volumes", [])), name
     assert "/models" not in str(services["beat"].get("volumes", []))
+    # the worker's kernel build and start-up timings outlive a recreate: a named volume on
+    # the image user's cache, which the image creates owned by that user (else the volume
+    # would start out root's and the worker could keep neither)
+    cache = "/home/llmq/.cache/llmq"
+    assert any(cache in str(volume) and "worker-cache" in str(volume)
+               for volume in services["worker"].get("volumes", [])), services["worker"]
+    assert "worker-cache" in _compose_config()["volumes"]
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert ".git" in ignored and ".llmq" in ignored
     # every package the image installs is copied into it (the llmq command lives in llmq/)
     dockerfile = (ROOT / "Dockerfile").read_text()
+    assert f"mkdir -p /models {cache}" in dockerfile and "chown -R llmq /home/llmq/.cache" \
+        in dockerfile
     for package in ("llmq", "webapp", "tasks", "workers", "kvcache", "kernels", "migrations"):
         assert f"COPY {package} {package}" in dockerfile, package
 
