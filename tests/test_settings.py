@@ -87,6 +87,29 @@ def test_send_generate_lands_on_the_model_queue_in_the_prefixed_keyspace(
     assert message["content-type"] == "application/json"
 
 
+def test_a_channel_keeps_one_client_for_its_plain_commands_while_its_pool_lives(
+    service_settings, redis_client
+):
+    """Kombu built a redis-py client per publish (a fifth of `send_task`'s CPU); the
+    channel now keeps one, and builds another when kombu replaces its pool."""
+    app = create_celery(service_settings)
+    queue_key = f"{service_settings.redis_prefix}:celery:{service_settings.queue_for('tiny')}"
+    with app.connection_for_write() as connection:
+        channel = connection.default_channel
+        first = channel._create_client()
+        assert channel._create_client() is first
+        assert channel._create_client(asynchronous=True) is not first
+        channel._disconnect_pools()  # as kombu does after a fork or a lost connection
+        second = channel._create_client()
+        assert second is not first and second.connection_pool is channel.pool
+    job_ids = [str(uuid.uuid4()) for _ in range(3)]
+    for job_id in job_ids:
+        send_generate(app, service_settings, job_id, "tiny")
+    sent = [json.loads(raw)["headers"]["argsrepr"]
+            for raw in redis_client.lrange(queue_key, 0, -1)]
+    assert sorted(sent) == sorted(repr([job_id]) for job_id in job_ids)
+
+
 def test_sqlite_engine_migrates_and_uses_wal(tmp_path):
     url = f"sqlite:///{tmp_path / 'llmq.db'}"
     upgrade_database(url)
