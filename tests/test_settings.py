@@ -93,7 +93,8 @@ def test_a_channel_keeps_one_client_for_its_plain_commands_while_its_pool_lives(
     """Kombu built a redis-py client per publish (a fifth of `send_task`'s CPU); the
     channel now keeps one, and builds another when kombu replaces its pool."""
     app = create_celery(service_settings)
-    queue_key = f"{service_settings.redis_prefix}:celery:{service_settings.queue_for('tiny')}"
+    model = f"probe-{uuid.uuid4().hex[:8]}"  # a queue of its own: other tests send to 'tiny'
+    queue_key = f"{service_settings.redis_prefix}:celery:{service_settings.queue_for(model)}"
     with app.connection_for_write() as connection:
         channel = connection.default_channel
         first = channel._create_client()
@@ -104,9 +105,10 @@ def test_a_channel_keeps_one_client_for_its_plain_commands_while_its_pool_lives(
         assert second is not first and second.connection_pool is channel.pool
     job_ids = [str(uuid.uuid4()) for _ in range(3)]
     for job_id in job_ids:
-        send_generate(app, service_settings, job_id, "tiny")
+        send_generate(app, service_settings, job_id, model)
     sent = [json.loads(raw)["headers"]["argsrepr"]
             for raw in redis_client.lrange(queue_key, 0, -1)]
+    redis_client.delete(queue_key)
     assert sorted(sent) == sorted(repr([job_id]) for job_id in job_ids)
 
 
