@@ -244,12 +244,14 @@ def main() -> None:
               f"(ms per one-row pass timed at start-up, by distance: " + ", ".join(
                   f"{n} {t * 1e3:.2f}" for n, t in runner.row_prefetch_probe.items()) + ")")
     if runner.panel_prefetch_probe:
-        choice = runner.panel_row_prefetch
-        print("one-row calls on fp32 panels prefetch " + (
-            "the next panel" if choice == native.NEXT_PANEL else "nothing" if choice == 0
-            else f"{choice} bytes ahead") + " (ms per one-row pass timed at start-up: " + ", ".join(
-                f"{'next panel' if n == native.NEXT_PANEL else n} {t * 1e3:.2f}"
-                for n, t in runner.panel_prefetch_probe.items()) + ")")
+        def panel_prefetch(choice: int | None) -> str:
+            return ("the next panel" if choice == native.NEXT_PANEL else "nothing"
+                    if choice == 0 else f"{choice} bytes ahead")
+
+        print(f"one-row calls on fp32 panels prefetch {panel_prefetch(runner.panel_row_prefetch)}"
+              " (ms per one-row pass timed at start-up: " + ", ".join(
+                  f"{panel_prefetch(n)} {t * 1e3:.2f}"
+                  for n, t in runner.panel_prefetch_probe.items()) + ")")
     print(f"weights in transparent huge pages: {runner.huge_page_bytes / 1e6:.0f} MB "
           f"({huge_pages.SETTING_ENV}={huge_pages.setting()}, the kernel's mode "
           f"{huge_pages.thp_mode() or 'unknown'}; the bandwidths below count the faster of "
