@@ -49,11 +49,23 @@ DTYPES = (torch.float32, torch.bfloat16)
 BUILD_TIMEOUT = 120
 
 
-def cache_dir() -> Path:
+def home_cache_dir(name: str) -> Path | None:
+    """`~/.cache/llmq/<name>`: where a process keeps what it built or measured for the
+    next start on this machine (the native kernel here, the engine's start-up timings;
+    docker-compose keeps the worker's `~/.cache/llmq` in a volume). None for a user
+    without a home directory (an unnamed uid in a container)."""
+    try:
+        return Path.home() / ".cache" / "llmq" / name
+    except RuntimeError:
+        return None
+
+
+def cache_dir() -> Path | None:
+    """Where the kernel is built (`LLMQ_KERNEL_CACHE`), None where there is no such place."""
     configured = os.environ.get(CACHE_ENV)
     if configured:
         return Path(configured)
-    return Path.home() / ".cache" / "llmq" / "kernels"
+    return home_cache_dir("kernels")
 
 
 def _build(sources: tuple[Path, ...], target: Path, march: str) -> None:
@@ -140,12 +152,12 @@ def build(march: str = "native") -> _Library | None:
     source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
     key = hashlib.sha256(source + " ".join((*CFLAGS, march)).encode()
                          + cpu_description_key().encode()).hexdigest()[:16]
-    try:
-        target = cache_dir() / f"llmq-cpu-{march}-{key}.so"
-    except RuntimeError:  # no home directory (an unnamed uid): nowhere safe to build
+    directory = cache_dir()
+    if directory is None:  # no home directory (an unnamed uid): nowhere safe to build
         logger.warning("native CPU kernel unavailable: no home directory to build it in; "
                        "set %s; torch's linear paths only", CACHE_ENV)
         return None
+    target = directory / f"llmq-cpu-{march}-{key}.so"
     try:
         if not target.exists():
             _build(SOURCES, target, march)

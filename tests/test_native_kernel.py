@@ -833,11 +833,14 @@ def test_without_a_home_directory_the_native_kernel_is_left_out(monkeypatch, cap
     LLMQ_KERNEL_CACHE: the kernel is not built anywhere else (a shared directory could
     hand it another user's library), the start goes on without it, and says why."""
     import logging
+    from pathlib import Path
 
-    def no_home() -> None:
+    def no_home() -> Path:
         raise RuntimeError("Could not determine home directory.")
 
-    monkeypatch.setattr(native, "cache_dir", no_home)
+    monkeypatch.delenv(native.CACHE_ENV, raising=False)
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    assert native.cache_dir() is None
     with caplog.at_level(logging.WARNING, logger="kernels.native"):
         assert native.build.__wrapped__("native") is None
     assert "no home directory" in caplog.text and native.CACHE_ENV in caplog.text

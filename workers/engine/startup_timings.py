@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from kernels import cpu
+from kernels.native import home_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -99,12 +100,11 @@ def cache_dir() -> Path | None:
         return None
     if configured:
         return Path(configured)
-    try:
-        return Path.home() / ".cache" / "llmq" / "timings"
-    except RuntimeError:  # a user without a home directory (say, an unnamed uid)
+    directory = home_cache_dir("timings")
+    if directory is None:
         logger.warning("no home directory for the start-up timings: every start times; "
                        "set %s to keep them", TIMINGS_CACHE_ENV)
-        return None
+    return directory
 
 
 def _code_digest() -> str:
