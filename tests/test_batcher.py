@@ -102,7 +102,14 @@ def group(service_settings, session_factory, redis_client, tiny_engine):
 
 
 def _events(group: Group, redis_client, job_id: str):
-    return [event for _, event in read_stream(redis_client, group.settings, job_id)]
+    """The job's stream once its terminal event is in it: the writer commits a terminal
+    row BEFORE it publishes the event (workers/db_writer.py), so a test that saw the row
+    end may read the stream a moment too early."""
+    def stream_if_ended():
+        events = [event for _, event in read_stream(redis_client, group.settings, job_id)]
+        return events if any(e.type.is_terminal for e in events) else None
+
+    return wait_for(stream_if_ended, 10, f"job {job_id}'s terminal event")
 
 
 def test_job_runs_to_a_stored_result_and_one_terminal_event(group, session_factory,
