@@ -50,6 +50,18 @@ def read_stream(redis: Any, settings: Settings, job_id: str) -> list[tuple[str, 
     return [(_text(entry_id), JobEvent.from_fields(fields)) for entry_id, fields in entries]
 
 
+def read_ended_stream(redis: Any, settings: Settings, job_id: str,
+                      timeout: float = 10.0) -> list[JobEvent]:
+    """The job's stream once its terminal event is in it. A group's writer commits a
+    terminal row BEFORE it publishes the event (workers/db_writer.py), so a test that saw
+    the row end may read the stream a moment too early."""
+    def stream_if_ended() -> list[JobEvent] | None:
+        events = [event for _, event in read_stream(redis, settings, job_id)]
+        return events if any(e.type.is_terminal for e in events) else None
+
+    return wait_for(stream_if_ended, timeout, f"job {job_id}'s terminal event")
+
+
 def wait_for(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
     """Poll `check` until it returns something truthy; fail the test after `timeout`."""
     deadline = time.monotonic() + timeout

@@ -21,7 +21,14 @@ from tasks.params import SamplingParams
 from tasks.protocol import EventType, JobEvent, cancel_flag_key
 from tasks.streams.publish import EventPublisher
 from tests.batch_helpers import store_queued_lines
-from tests.pipeline_helpers import insert_job, read_job, read_stream, wait_for, wait_terminal
+from tests.pipeline_helpers import (
+    insert_job,
+    read_ended_stream,
+    read_job,
+    read_stream,
+    wait_for,
+    wait_terminal,
+)
 from workers.admission import GenerateOutcome, JobAdmission
 from workers.admitted import AdmittedJob
 from workers.batcher import Batcher
@@ -102,14 +109,7 @@ def group(service_settings, session_factory, redis_client, tiny_engine):
 
 
 def _events(group: Group, redis_client, job_id: str):
-    """The job's stream once its terminal event is in it: the writer commits a terminal
-    row BEFORE it publishes the event (workers/db_writer.py), so a test that saw the row
-    end may read the stream a moment too early."""
-    def stream_if_ended():
-        events = [event for _, event in read_stream(redis_client, group.settings, job_id)]
-        return events if any(e.type.is_terminal for e in events) else None
-
-    return wait_for(stream_if_ended, 10, f"job {job_id}'s terminal event")
+    return read_ended_stream(redis_client, group.settings, job_id)
 
 
 def test_job_runs_to_a_stored_result_and_one_terminal_event(group, session_factory,

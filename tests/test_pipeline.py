@@ -16,8 +16,8 @@ from tests.pipeline_helpers import (
     WorkerProcess,
     get_job,
     iter_sse,
+    read_ended_stream,
     read_job,
-    read_stream,
     running_worker,
     submit,
     wait_for,
@@ -102,7 +102,7 @@ def test_cancel_stops_a_running_job_and_frees_its_kv_blocks(base_url, group_a, r
     assert row.status == JobStatus.CANCELLED.value and row.finish_reason == "cancelled"
     assert row.finished_at.timestamp() - cancelled_at < 5.0
     assert 0 < row.completion_tokens < 1500
-    events = [e for _, e in read_stream(redis_client, group_a.settings, job["id"])]
+    events = read_ended_stream(redis_client, group_a.settings, job["id"])
     assert [e.type.value for e in events].count("cancelled") == 1
     assert events[-1].type.value == "cancelled"
     beat = wait_for(
@@ -157,7 +157,7 @@ def test_a_killed_group_loses_no_job(base_url, group_a, service_settings, redis_
     for job_id in on_victim:
         row = rows[job_id]
         assert row.worker != victim.group_id and row.attempts == 2
-        events = [e for _, e in read_stream(redis_client, service_settings, job_id)]
+        events = read_ended_stream(redis_client, service_settings, job_id)
         types = [e.type.value for e in events]
         assert types.count("restart") == 1 and types.count("done") == 1
         after = events[types.index("restart") + 1:]
@@ -187,7 +187,7 @@ def test_sigterm_drains_and_requeues_what_did_not_finish(base_url, group_a, serv
     assert drainer.heartbeat(redis_client) is None  # it said goodbye
     rows = [wait_terminal(session_factory, i, timeout=120) for i in ids]
     assert {row.status for row in rows} == {JobStatus.SUCCEEDED.value}
-    streams = {str(row.id): [e.type.value for _, e in read_stream(
+    streams = {str(row.id): [e.type.value for e in read_ended_stream(
         redis_client, service_settings, str(row.id))] for row in rows}
     moved = [row for row in rows if "restart" in streams[str(row.id)]]
     assert moved, "no job was running on the drainer when it stopped"

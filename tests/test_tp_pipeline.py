@@ -16,8 +16,8 @@ from tasks.models import JobStatus
 from tests.pipeline_helpers import (
     WorkerProcess,
     iter_sse,
+    read_ended_stream,
     read_job,
-    read_stream,
     running_worker,
     submit,
     wait_for,
@@ -124,7 +124,7 @@ def test_a_killed_rank_hands_the_jobs_back_and_stops_the_worker(service_settings
         expected = [out.token_ids for out in offline.generate(prompts, SamplingParams(**params))]
     assert [row.output[0]["token_ids"] for row in rows] == expected
     for row, tokens in zip(rows, expected):
-        events = [e for _, e in read_stream(redis_client, settings, str(row.id))]
+        events = read_ended_stream(redis_client, settings, str(row.id))
         types = [e.type.value for e in events]
         # some tokens from the lost group, one restart, then the whole text again
         assert types.count("restart") == 1 and types[-1] == "done", types
