@@ -427,8 +427,9 @@ def test_the_writer_finishes_a_batch_once_its_last_line_is_stored(group, session
     assert batch().status == "in_progress" and batch().output_file_id is None
     ran = [read_job(session_factory, ids[index]) for index in (0, 1)]
     with session_factory() as session:  # a look while it runs: counted from its lines
-        counts, named, usage = batch_progress(session, batch())
+        counts, named, usage, unfinished = batch_progress(session, batch())
     assert counts == {"total": 3, "completed": 2, "failed": 0} and named == model
+    assert unfinished == 1  # line 2, queued
     assert (usage["input_tokens"], usage["output_tokens"]) == (
         sum(job.prompt_tokens for job in ran), sum(job.completion_tokens for job in ran)) \
         and usage["output_tokens"] > 0
@@ -460,8 +461,10 @@ def test_the_writer_finishes_a_batch_once_its_last_line_is_stored(group, session
         assert statements == []
         session.expunge(found)
         found.usage = None  # as a batch finished before its figures were stored
-        assert batch_progress(session, found) == stored == (
+        counted = batch_progress(session, found)
+        assert counted[:3] == stored[:3] == (
             {"total": 3, "completed": 3, "failed": 0}, model, done.usage)
+        assert (counted.unfinished, stored.unfinished) == (0, None)  # None: not looked at
 
 
 def test_a_message_claims_queued_jobs_of_the_model_ahead_up_to_the_room(

@@ -1,10 +1,12 @@
 """The web's reads run outside a transaction: a job poll, an event stream's open, an API
 key's lookup, the readiness check, a listing, a batch's retrieval or the batch validator's
 look for work cost one round trip to Postgres per statement, not a BEGIN before and a
-ROLLBACK after (real Postgres, the app in process)."""
+ROLLBACK after; a running batch's retrieval is two statements (real Postgres, the app in
+process)."""
 
 from __future__ import annotations
 
+import threading
 import uuid
 
 import pytest
@@ -13,6 +15,7 @@ from sqlalchemy import event, select
 
 from tasks.auth import create_api_key
 from tasks.models import Job
+from tests.batch_helpers import store_ended_batch
 from webapp import batch_validation, create_app
 
 BODY = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
@@ -74,3 +77,36 @@ def test_reads_open_no_transaction(app, session_factory):
     with app.extensions["llmq"].session_factory() as session:
         session.scalar(select(Job.status).where(Job.id == uuid.UUID(job_id)))
     assert seen == [pq.TransactionStatus.INTRANS]
+
+
+def test_a_running_batch_reads_its_row_and_its_lines_once_and_a_done_one_is_finished(
+        service_settings, session_factory):
+    """Clients poll a running batch: its GET is two statements (the row, one pass over
+    its lines, which also tells whether any line is left), not a finalizer's look besides;
+    a batch whose lines all ended is still finished by the GET."""
+    settings = service_settings.with_overrides(
+        redis_prefix=service_settings.redis_prefix + "b" + uuid.uuid4().hex[:6])
+    app = create_app(settings)
+    statements: list[str] = []  # this thread's (the app's validator thread looks for work)
+    event.listen(app.extensions["llmq"].engine, "before_cursor_execute",
+                 lambda conn, cursor, statement, *rest: threading.get_ident() == me
+                 and statements.append(statement))
+    me = threading.get_ident()
+    try:
+        client = app.test_client()
+        running = store_ended_batch(session_factory, ("succeeded", "running", "queued"))
+        for _ in range(2):
+            statements.clear()
+            body = client.get(f"/v1/batches/{running}").json
+            assert body["status"] == "in_progress", body
+            assert body["request_counts"] == {"total": 3, "completed": 1, "failed": 0}
+            assert body["output_file_id"] is None
+            assert len(statements) == 2, statements
+
+        ended = store_ended_batch(session_factory, ("succeeded", "failed"))
+        body = client.get(f"/v1/batches/{ended}").json
+        assert body["status"] == "completed", body
+        assert body["request_counts"] == {"total": 2, "completed": 1, "failed": 1}
+        assert body["output_file_id"] and body["error_file_id"]
+    finally:
+        app.extensions["llmq"].close()
