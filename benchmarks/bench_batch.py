@@ -43,11 +43,14 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench_pipeline import (  # noqa: E402
+    BATCHER_KEY,
     BATCHER_THREAD,
     Services,
+    cpu_snapshot,
     load_offline_engine,
     prompts,
     thread_cpu,
+    thread_waits,
 )
 from bench_services import add_service_args  # noqa: E402
 
@@ -157,6 +160,8 @@ def run_busy(client: Any, args: argparse.Namespace, services: Services,
 
     worker_pid = services.worker.pid
     cpu_before = thread_cpu(worker_pid)
+    parts_before = cpu_snapshot(services)
+    waits_before = thread_waits(worker_pid, BATCHER_THREAD)
     started, started_unix = time.perf_counter(), time.time()
     batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/completions",
                                   completion_window="24h")
@@ -184,6 +189,9 @@ def run_busy(client: Any, args: argparse.Namespace, services: Services,
                 group_after = figures
     elapsed = time.perf_counter() - started
     cpu_after = thread_cpu(worker_pid)
+    parts = {name: round(cpu - parts_before[name], 2)
+             for name, cpu in cpu_snapshot(services).items()}
+    waits = thread_waits(worker_pid, BATCHER_THREAD) - waits_before
     done.set()
     thread.join(60)
     output = client.files.content(batch.output_file_id).text.splitlines() \
@@ -198,6 +206,9 @@ def run_busy(client: Any, args: argparse.Namespace, services: Services,
             "worker_thread_cpu_seconds": {name: round(cpu - cpu_before.get(name, 0.0), 2)
                                           for name, cpu in cpu_after.items()
                                           if cpu - cpu_before.get(name, 0.0) >= 0.01},
+            # every part of the stack on the same cores meanwhile, and how long the batcher
+            # thread was runnable but waited for a core
+            "cpu_seconds": parts, "batcher_waiting_for_a_core_s": round(waits, 2),
             "interactive_tokens": len(samples) * args.interactive_tokens,
             # the served engine's steps between two heartbeats while the lines ran
             **step_figures(group_before, group_after),
@@ -312,6 +323,19 @@ def round_row(index: int, r: dict[str, Any]) -> str:
             f"{busy['ms_per_step']:.2f} / {offline['ms_per_step']:.2f} ms |")
 
 
+def neighbours_line(index: int, busy: dict[str, Any]) -> str:
+    """Where the CPU of the cores went while a round's batch ran: the batcher thread (and
+    how long it waited, runnable, for a core), the rest of the worker, and every other
+    part of the stack on the same cores."""
+    cpu, seconds = busy["cpu_seconds"], busy["seconds"]
+    rest = cpu["worker"] - cpu[BATCHER_KEY]
+    return (f"round {index + 1}, CPU seconds over the batch's {seconds:.1f} s: batcher thread "
+            f"{cpu[BATCHER_KEY]:.2f} (runnable but waiting for a core "
+            f"{busy['batcher_waiting_for_a_core_s']:.2f}), the worker's other threads and "
+            f"its database process {rest:.2f}, web {cpu['web']:.2f}, Postgres "
+            f"{cpu['postgres']:.2f}, Redis {cpu['redis']:.2f}, this client {cpu['client']:.2f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import openai
@@ -352,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{100 * statistics.median(throughput_ratios):.0f}% of the offline engine** "
           f"(target >= 80%; rounds {', '.join(f'{100 * x:.0f}%' for x in throughput_ratios)})"
           "\n")
+    for i, r in enumerate(rounds):
+        print(neighbours_line(i, r["busy"]))
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
     return 0
