@@ -133,6 +133,12 @@ def batch_lines_channel(settings: Settings, model: str) -> str:
     return settings.key("model", model, "batch-lines")
 
 
+def batch_progress_key(settings: Settings, batch_id: str) -> str:
+    """A running batch's counts, model, usage and unfinished lines as JSON (with a TTL of
+    `batch_progress_cache_seconds`), shared by the web processes its clients poll."""
+    return settings.key("batch", batch_id, "progress")
+
+
 def cancel_flag_key(settings: Settings, job_id: str) -> str:
     """Set (with a TTL) when a running job's cancel was requested; the batcher checks it."""
     return settings.key("job", job_id, "cancel")

@@ -100,6 +100,10 @@ class Settings(BaseSettings):
     # a batch's output and error files expire this long after it ends unless its create
     # asks otherwise (`output_expires_after`; OpenAI's default is 30 days); None: kept
     batch_output_expires_seconds: int | None = Field(30 * 24 * 3600, ge=1)
+    # a running batch's counts and usage (one pass over its lines) are shared by every web
+    # process for this long: clients that poll it often cost one pass a period (0: a pass
+    # at every read)
+    batch_progress_cache_seconds: float = Field(1.0, ge=0, le=60.0)
     # a web process validates a batch under a lease it renews; another takes it over once
     # the lease lapsed (the validating process died)
     batch_validation_lease_seconds: float = Field(60.0, gt=0)

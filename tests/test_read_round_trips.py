@@ -1,17 +1,18 @@
 """The web's reads run outside a transaction: a job poll, an event stream's open, an API
 key's lookup, the readiness check, a listing, a batch's retrieval or the batch validator's
 look for work cost one round trip to Postgres per statement, not a BEGIN before and a
-ROLLBACK after; a running batch's retrieval is two statements (real Postgres, the app in
-process)."""
+ROLLBACK after; a running batch's retrieval is two statements, and one while another
+read's figures are shared (real Postgres and Redis, the app in process)."""
 
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 
 import pytest
 from psycopg import pq
-from sqlalchemy import event, select
+from sqlalchemy import event, select, update
 
 from tasks.auth import create_api_key
 from tasks.models import Job
@@ -82,10 +83,12 @@ def test_reads_open_no_transaction(app, session_factory):
 def test_a_running_batch_reads_its_row_and_its_lines_once_and_a_done_one_is_finished(
         service_settings, session_factory):
     """Clients poll a running batch: its GET is two statements (the row, one pass over
-    its lines, which also tells whether any line is left), not a finalizer's look besides;
+    its lines, which also tells whether any line is left), not a finalizer's look besides,
+    and the pass is shared for `batch_progress_cache_seconds` (then only the row is read);
     a batch whose lines all ended is still finished by the GET."""
     settings = service_settings.with_overrides(
-        redis_prefix=service_settings.redis_prefix + "b" + uuid.uuid4().hex[:6])
+        redis_prefix=service_settings.redis_prefix + "b" + uuid.uuid4().hex[:6],
+        batch_progress_cache_seconds=0.5)
     app = create_app(settings)
     statements: list[str] = []  # this thread's (the app's validator thread looks for work)
     event.listen(app.extensions["llmq"].engine, "before_cursor_execute",
@@ -95,13 +98,22 @@ def test_a_running_batch_reads_its_row_and_its_lines_once_and_a_done_one_is_fini
     try:
         client = app.test_client()
         running = store_ended_batch(session_factory, ("succeeded", "running", "queued"))
-        for _ in range(2):
+
+        def look(num_statements: int) -> dict:
             statements.clear()
             body = client.get(f"/v1/batches/{running}").json
             assert body["status"] == "in_progress", body
-            assert body["request_counts"] == {"total": 3, "completed": 1, "failed": 0}
             assert body["output_file_id"] is None
-            assert len(statements) == 2, statements
+            assert len(statements) == num_statements, statements
+            return body["request_counts"]
+
+        assert look(2) == {"total": 3, "completed": 1, "failed": 0}
+        with session_factory.begin() as session:  # a line ends meanwhile
+            session.execute(update(Job).where(Job.batch_id == running,
+                                              Job.status == "running").values(status="failed"))
+        assert look(1) == {"total": 3, "completed": 1, "failed": 0}  # the shared pass
+        time.sleep(0.6)
+        assert look(2) == {"total": 3, "completed": 1, "failed": 1}
 
         ended = store_ended_batch(session_factory, ("succeeded", "failed"))
         body = client.get(f"/v1/batches/{ended}").json

@@ -16,6 +16,7 @@ import logging
 from datetime import timedelta
 from typing import Any
 
+import redis
 from flask import Blueprint, Response, jsonify
 from pydantic import ValidationError
 from sqlalchemy import select, update
@@ -34,6 +35,7 @@ from tasks.batches import (
 )
 from tasks.db import has_passed, keyset_after, keyset_order, update_count, utcnow
 from tasks.models import Batch, BatchStatus
+from tasks.protocol import batch_progress_key
 from webapp.auth import current_api_key_id
 from webapp.batch_validation import batch_validator
 from webapp.errors import APIError
@@ -95,10 +97,10 @@ def get_batch(batch_id: str) -> Response:
         finalize_if_done(svc.session_factory, batch.id)
         return jsonify(_answer(svc, batch.id))
     # NOTE: clients poll a running batch (a benchmark's 10 a second); its answer is the row
-    # read above and one pass over its lines, which also says whether any is left: only
-    # then does the GET try to finish it (each finalizer look is two more reads)
-    with svc.reads() as session:
-        progress = batch_progress(session, batch)
+    # read above and one pass over its lines (shared for a moment), which also says
+    # whether any is left: only then does the GET try to finish it (each finalizer look
+    # is two more reads)
+    progress = running_progress(svc, batch)
     if (BatchStatus(batch.status) in FINAL_STATUS and progress.unfinished == 0
             and finalize_if_done(svc.session_factory, batch.id)):
         return jsonify(_answer(svc, batch.id))
@@ -161,6 +163,32 @@ def _answer(svc: Services, batch_id: str) -> dict[str, Any]:
         batch = session.get(Batch, batch_id)
         assert batch is not None  # batches are never deleted
         return batch_to_dict(batch, batch_progress(session, batch))
+
+
+def running_progress(svc: Services, batch: Batch) -> BatchProgress:
+    """`batch_progress` of `batch`; for a running one (in progress, cancelling, expiring)
+    the figures a web process computed less than `batch_progress_cache_seconds` ago, kept
+    in Redis for every web process. A pass over 2,000 lines is 2-4 ms of Postgres and 2 of
+    the web, 27 ms of Postgres at 50,000; a client polling ten times a second (or ten
+    clients once a second) now costs one pass a second. Redis unreachable: a pass."""
+    seconds = svc.settings.batch_progress_cache_seconds
+    if seconds <= 0 or BatchStatus(batch.status) not in FINAL_STATUS:
+        with svc.reads() as session:
+            return batch_progress(session, batch)
+    key = batch_progress_key(svc.settings, batch.id)
+    try:
+        cached = svc.redis.get(key)
+    except redis.RedisError:
+        cached = None
+    if cached is not None:
+        return BatchProgress.from_json(cached)
+    with svc.reads() as session:
+        progress = batch_progress(session, batch)
+    try:
+        svc.redis.set(key, progress.to_json(), px=max(1, round(1000 * seconds)))
+    except redis.RedisError:
+        pass  # the next read makes a pass of its own
+    return progress
 
 
 def batch_to_dict(batch: Batch, progress: BatchProgress) -> dict[str, Any]:
