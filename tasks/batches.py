@@ -59,6 +59,9 @@ UNFINISHED = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
 # plan included)
 _UNFINISHED_INLINE = Job.status.in_(bindparam("unfinished", list(UNFINISHED), expanding=True,
                                               literal_execute=True))
+# one queued or running line of a batch, if any
+_ANY_UNFINISHED = select(Job.id).where(Job.batch_id == bindparam("batch_id"),
+                                       _UNFINISHED_INLINE).limit(1)
 # what a batch becomes once none of its jobs is left, by the status it had
 FINAL_STATUS = {BatchStatus.IN_PROGRESS: BatchStatus.COMPLETED,
                 BatchStatus.CANCELLING: BatchStatus.CANCELLED,
@@ -145,18 +148,19 @@ def finalize_if_done(session_factory: sessionmaker[Session], batch_id: str) -> b
     and final status. Returns whether this call finished it (False: not done yet, already
     finished, or another process won)."""
     with session_factory() as session:
+        # NOTE: one unfinished line answers, from an index of unfinished lines only
+        # (ix_jobs_unfinished_batch_lines): a probe, however many lines ended, where a count
+        # over the batch's lines took 8 ms at 50,000 lines. First: a device group's writer
+        # looks after every write of lines' results, and while any line is left (every look
+        # but the last) this is the only statement (1.6-1.9 ms of CPU a look with the batch
+        # row read first, 0.6-0.7 without)
+        if session.scalar(_ANY_UNFINISHED, {"batch_id": batch_id}) is not None:
+            return False
         batch = session.get(Batch, batch_id)
         if batch is None:
             return False
         status = BatchStatus(batch.status)
         if status not in FINAL_STATUS:
-            return False
-        # NOTE: one unfinished line answers, from an index of unfinished lines only
-        # (ix_jobs_unfinished_batch_lines): a probe, however many lines ended, where a count
-        # over the batch's lines took 8 ms at 50,000 lines, at every poll and stored result
-        unfinished = session.scalar(select(Job.id).where(
-            Job.batch_id == batch_id, _UNFINISHED_INLINE).limit(1))
-        if unfinished is not None:
             return False
     final = FINAL_STATUS[status]
     now = utcnow()

@@ -154,6 +154,33 @@ def test_finalization_is_won_by_exactly_one_process(session_factory):
     assert sorted(files) == sorted([batch.output_file_id, batch.error_file_id])
 
 
+def test_a_look_at_a_batch_with_lines_left_is_one_statement(session_factory):
+    """A device group's writer looks at a batch after every write of its lines' results:
+    while a line is left, the look is the one probe for it; once none is, it finishes."""
+    from sqlalchemy import event, update
+
+    batch_id = store_ended_batch(session_factory, ("succeeded", "running"))
+    engine = session_factory.kw["bind"]
+    statements: list[str] = []
+
+    def record(conn, cursor, statement, *rest) -> None:
+        statements.append(statement)
+
+    event.listen(engine, "before_cursor_execute", record)
+    try:
+        assert finalize_if_done(session_factory, batch_id) is False
+    finally:
+        event.remove(engine, "before_cursor_execute", record)
+    assert len(statements) == 1 and "FROM jobs" in statements[0], statements
+    with session_factory.begin() as session:
+        session.execute(update(Job).where(Job.batch_id == batch_id, Job.status == "running")
+                        .values(status="succeeded"))
+    assert finalize_if_done(session_factory, batch_id) is True
+    with session_factory() as session:
+        batch = session.get(Batch, batch_id)
+    assert batch.status == "completed" and (batch.num_completed, batch.num_failed) == (2, 0)
+
+
 def test_batch_outputs_equal_direct_requests_and_a_bad_body_fails_its_line(
         client, base_url, worker, session_factory):
     # the last asks for two samples: its body is built from the row's samples, not from
