@@ -156,3 +156,47 @@ def test_seats_to_free_counts_free_seats_and_stops_at_foreground_work() -> None:
     assert bands.seats_to_free(sched.running, sched.waiting, 4) == []
     assert PriorityBands(None).seats_to_free(sched.running, waiting, 0) == []
     assert fg.status == SequenceStatus.RUNNING
+
+
+def test_waiting_background_sequences_start_together_once_a_quarter_of_the_seats_is_free(
+        ) -> None:
+    """16 seats: while background sequences run, waiting ones start once 4 seats are free
+    (or once they all fit), so the steps between stay pure decode steps."""
+    sched = make_scheduler(background_priority=BACKGROUND, max_num_seqs=16)
+    assert sched.bands.admit_seats == 4
+    running = [add(sched, 2, priority=BACKGROUND, max_tokens=1 + i)[0] for i in range(16)]
+    waiting = [add(sched, 2, priority=BACKGROUND, max_tokens=8)[0] for _ in range(10)]
+    out, _ = step(sched)  # the 16 prompts; the first ends with its one token
+    assert set(chunks(out)) == {seq.seq_id for seq in running}
+    for free in (1, 2, 3):  # one more ends every step; the waiting ones wait
+        out, _ = step(sched)
+        assert set(chunks(out)) == {seq.seq_id for seq in running[free:]}
+        assert set(chunks(out).values()) == {1}
+    out, _ = step(sched)  # 4 free: four start at once, beside the 12 decodes
+    assert {seq_id: n for seq_id, n in chunks(out).items() if n > 1} == {
+        seq.seq_id: 2 for seq in waiting[:4]}
+    assert sched.waiting == waiting[4:]
+
+
+def test_the_last_background_sequences_start_as_soon_as_they_all_fit() -> None:
+    sched = make_scheduler(background_priority=BACKGROUND, max_num_seqs=16)
+    running = [add(sched, 2, priority=BACKGROUND, max_tokens=1 + i)[0] for i in range(16)]
+    waiting = [add(sched, 2, priority=BACKGROUND, max_tokens=8)[0] for _ in range(2)]
+    # (3 free seats would not do for 3 waiting ones; 2 do for 2)
+    step(sched)  # one ends: 1 free seat, 2 waiting
+    out, _ = step(sched)
+    assert not set(chunks(out)) & {seq.seq_id for seq in waiting}
+    out, _ = step(sched)  # 2 free, 2 waiting: both fit
+    assert {seq_id: n for seq_id, n in chunks(out).items() if n > 1} == {
+        seq.seq_id: 2 for seq in waiting}
+    assert len(chunks(out)) == len(running) - 2 + 2
+
+
+def test_small_groups_admit_background_sequences_into_any_free_seat() -> None:
+    sched = make_scheduler(background_priority=BACKGROUND, max_num_seqs=4)
+    assert sched.bands.admit_seats == 1
+    [add(sched, 2, priority=BACKGROUND, max_tokens=1 + i) for i in range(4)]
+    (late,) = add(sched, 2, priority=BACKGROUND, max_tokens=8)
+    step(sched)  # one ends
+    out, _ = step(sched)
+    assert chunks(out)[late.seq_id] == 2

@@ -32,7 +32,9 @@ skipped the same way until its grammar is ready.
 Priority bands (`PriorityBands`, workers/engine/priority_bands.py): a step that carries a
 foreground sequence's prompt chunk leaves the running background-band sequences out (they
 keep their KV) and admits no waiting background one; a ready foreground sequence that
-finds every seat taken preempts the last running background sequence for its seat.
+finds every seat taken preempts the last running background sequence for its seat;
+while background sequences run, waiting ones start together once a quarter of the seats
+(at most 16) is free, so that most steps stay pure decode steps.
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ class Scheduler:
         self.lookups = PendingLookups(kv_manager)  # waiting on the connector's lookups
         self.isolation = StepIsolation()  # suspects of a step that raised
         # priorities >= background_priority give way to foreground prompt chunks
-        self.bands = PriorityBands(background_priority)
+        self.bands = PriorityBands(background_priority, max_num_seqs)
         # prompt tokens looked up / found in the prefix cache, counted once per sequence
         self.prefix_queries_tokens = 0
         self.prefix_hits_tokens = 0
@@ -249,6 +251,7 @@ class Scheduler:
                 writing.update(self._blocks_written(scheduled_seq))
         # NOTE: after a preemption, admitting waiting sequences would only churn the cache
         index = 0  # waiting[:index] stay waiting this step (their lookups are in flight)
+        background_admitted: bool | None = None  # waiting background sequences start
         while (
             not preempted
             and index < len(self.waiting)
@@ -256,8 +259,12 @@ class Scheduler:
             and self._num_free_seats() > 0
         ):
             seq = self.waiting[index]
-            if defer and bands.is_background(seq):
-                break  # waiting is sorted too
+            if bands.is_background(seq):  # waiting is sorted: the rest is background too
+                if background_admitted is None:  # decided once a step, for all of them
+                    background_admitted = not defer and bands.admits_background(
+                        self.running, self.waiting[index:], self._num_free_seats())
+                if not background_admitted:
+                    break
             if seq.status == SequenceStatus.WAITING_FOR_REMOTE_KVS or (
                     alone is not None and seq is not alone):
                 index += 1
