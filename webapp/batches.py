@@ -181,7 +181,10 @@ def running_progress(svc: Services, batch: Batch) -> BatchProgress:
     except redis.RedisError:
         cached = None
     if cached is not None:
-        return BatchProgress.from_json(cached)
+        try:
+            return BatchProgress.from_json(cached)
+        except (ValueError, TypeError):  # not what this version writes: computed anew
+            pass
     with svc.reads() as session:
         progress = batch_progress(session, batch)
     try:
