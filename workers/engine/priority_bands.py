@@ -25,7 +25,7 @@ flight), the next one does not defer either (`step_built`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from workers.engine.sequence import Sequence, SequenceStatus
 from workers.engine.step_io import ScheduledSequence
@@ -76,7 +76,7 @@ class PriorityBands:
                 return can_admit(seq)
         return False
 
-    def admits_background(self, running: list[Sequence], waiting: list[Sequence],
+    def admits_background(self, running: list[Sequence], waiting: Iterable[Sequence],
                           num_free_seats: int) -> bool:
         """Whether this step admits waiting background sequences (`waiting`: the
         background part of the waiting list). While background sequences run, waiting

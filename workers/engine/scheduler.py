@@ -42,6 +42,7 @@ from __future__ import annotations
 import bisect
 import logging
 from collections.abc import Iterable
+from itertools import islice
 from typing import TYPE_CHECKING
 
 from kvcache.kv_cache_manager import KVCacheManager
@@ -262,7 +263,8 @@ class Scheduler:
             if bands.is_background(seq):  # waiting is sorted: the rest is background too
                 if background_admitted is None:  # decided once a step, for all of them
                     background_admitted = not defer and bands.admits_background(
-                        self.running, self.waiting[index:], self._num_free_seats())
+                        self.running, islice(self.waiting, index, None),
+                        self._num_free_seats())
                 if not background_admitted:
                     break
             if seq.status == SequenceStatus.WAITING_FOR_REMOTE_KVS or (
