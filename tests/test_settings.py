@@ -17,6 +17,7 @@ from tasks.protocol import (
     GENERATE_TASK,
     RECLAIM_TASK,
     RESEND_QUEUED_TASK,
+    batch_progress_key,
     cancel_flag_key,
     events_key,
     group_alive_key,
@@ -46,12 +47,19 @@ def test_from_env_parses_types_and_names_the_bad_variable():
     for bad in ("-0.01", "1.5", "1e9", "nan", "soon"):
         with pytest.raises(ValueError, match="LLMQ_STREAM_INTERVAL_SECONDS"):
             Settings.from_env({"LLMQ_STREAM_INTERVAL_SECONDS": bad})
+    # a running batch's shared figures: 0 (a pass at every read) up to a minute
+    assert Settings.from_env(
+        {"LLMQ_BATCH_PROGRESS_CACHE_SECONDS": "0"}).batch_progress_cache_seconds == 0
+    for bad in ("-1", "61", "1e9", "nan", "soon"):
+        with pytest.raises(ValueError, match="LLMQ_BATCH_PROGRESS_CACHE_SECONDS"):
+            Settings.from_env({"LLMQ_BATCH_PROGRESS_CACHE_SECONDS": bad})
 
 
 def test_redis_names_live_under_the_prefix():
     settings = Settings(redis_prefix="p1")
     assert events_key(settings, "j") == "p1:job:j:events"
     assert cancel_flag_key(settings, "j") == "p1:job:j:cancel"
+    assert batch_progress_key(settings, "batch_b") == "p1:batch:batch_b:progress"
     assert group_alive_key(settings, "m", "g0") == "p1:groups:m:g0:alive"
     assert settings.queue_for("m") == "p1.model.m"
 
