@@ -102,7 +102,12 @@ def test_a_dead_rank_fails_the_step_and_every_later_one(tp_runner):
     from workers.engine.parallel import TensorParallelError
 
     failures: list[str] = []
-    tp_runner.on_failure(failures.append)
+
+    def slow_callback(reason: str) -> None:
+        time.sleep(0.5)  # a step must not raise before the callbacks have run
+        failures.append(reason)
+
+    tp_runner.on_failure(slow_callback)
     tp_runner.execute(_step([1, 2, 3], [0]))
     rank1 = tp_runner.rank_pids[1]
     os.kill(rank1, signal.SIGKILL)

@@ -84,7 +84,9 @@ class TensorParallelRunner:
         self.timeout_seconds = timeout_seconds
         self._on_failure: list[Callable[[str], None]] = []
         self._failure: str | None = None
-        self._fail_lock = threading.Lock()
+        # held while the failure callbacks run: a step raises only after they have run
+        self._fail_lock = threading.RLock()
+        self._failing = False
         self._closing = False
         self._lock = threading.Lock()  # one pipe conversation at a time, in rank order
         self._encoder = StepEncoder()  # what every rank holds of the running sequences
@@ -159,9 +161,11 @@ class TensorParallelRunner:
 
     def on_failure(self, callback: Callable[[str], None]) -> None:
         """Call `callback(reason)` (from the watchdog thread) when the group fails."""
-        self._on_failure.append(callback)
-        if self._failure is not None:
-            callback(self._failure)
+        with self._fail_lock:
+            self._on_failure.append(callback)
+            failure = self._failure
+        if failure is not None:
+            callback(failure)
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run the step on every rank; rank 0 samples. Raises TensorParallelError when a
@@ -288,16 +292,19 @@ class TensorParallelRunner:
                 return
 
     def _fail(self, reason: str) -> None:
+        """Run the failure callbacks, then make the failure visible: whoever sees it (a
+        step that raises) knows the callbacks have run. A second failure is ignored."""
         with self._fail_lock:
-            if self._failure is not None:
+            if self._failure is not None or self._failing:
                 return
+            self._failing = True
+            logger.error("%s", reason)
+            for callback in list(self._on_failure):
+                try:
+                    callback(reason)
+                except Exception:
+                    logger.exception("a TP failure callback failed")
             self._failure = reason
-        logger.error("%s", reason)
-        for callback in list(self._on_failure):
-            try:
-                callback(reason)
-            except Exception:
-                logger.exception("a TP failure callback failed")
 
     def _watch(self) -> None:
         sentinels = [proc.sentinel for proc in self._procs]
