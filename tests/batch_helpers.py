@@ -3,8 +3,13 @@ workers leave it before anyone finalizes it."""
 
 from __future__ import annotations
 
+import threading
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
+
+from sqlalchemy import event
 
 from tasks.api.batches import BATCH_PRIORITY
 from tasks.db import utcnow
@@ -53,3 +58,22 @@ def store_queued_lines(session_factory: Any, model: str, indexes: list[int], *,
             session.add(job)
             ids[index] = str(job.id)
     return ids
+
+
+@contextmanager
+def statements_sent(engine: Any, this_thread: bool = False) -> Iterator[list[str]]:
+    """The SQL statements `engine` sends while the block runs, in order (with
+    `this_thread`, only those of the thread that entered: an app's background threads
+    read too)."""
+    statements: list[str] = []
+    me = threading.get_ident()
+
+    def record(conn: Any, cursor: Any, statement: str, *rest: Any) -> None:
+        if not this_thread or threading.get_ident() == me:
+            statements.append(statement)
+
+    event.listen(engine, "before_cursor_execute", record)
+    try:
+        yield statements
+    finally:
+        event.remove(engine, "before_cursor_execute", record)

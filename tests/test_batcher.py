@@ -12,7 +12,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import event, update
+from sqlalchemy import update
 
 from tasks.batches import batch_progress
 from tasks.db import utcnow
@@ -20,7 +20,7 @@ from tasks.models import Job, JobStatus
 from tasks.params import SamplingParams
 from tasks.protocol import EventType, JobEvent, cancel_flag_key
 from tasks.streams.publish import EventPublisher
-from tests.batch_helpers import store_queued_lines
+from tests.batch_helpers import statements_sent, store_queued_lines
 from tests.pipeline_helpers import (
     insert_job,
     read_ended_stream,
@@ -449,15 +449,10 @@ def test_the_writer_finishes_a_batch_once_its_last_line_is_stored(group, session
     ran = [read_job(session_factory, job_id) for job_id in ids.values()]
     assert done.model == model and done.usage["output_tokens"] == sum(
         job.completion_tokens for job in ran)
-    statements: list[str] = []
     with session_factory() as session:
         found = session.get(Batch, batch_id)
-        event.listen(session.get_bind(), "before_cursor_execute",
-                     record := lambda *args: statements.append(args[2]))
-        try:
+        with statements_sent(session.get_bind()) as statements:
             stored = batch_progress(session, found)
-        finally:
-            event.remove(session.get_bind(), "before_cursor_execute", record)
         assert statements == []
         session.expunge(found)
         found.usage = None  # as a batch finished before its figures were stored
