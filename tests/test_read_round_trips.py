@@ -6,7 +6,6 @@ read's figures are shared (real Postgres and Redis, the app in process)."""
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 
@@ -17,7 +16,7 @@ from sqlalchemy import event, select, update
 from tasks.auth import create_api_key
 from tasks.models import Job
 from tasks.protocol import batch_progress_key
-from tests.batch_helpers import store_ended_batch
+from tests.batch_helpers import statements_sent, store_ended_batch
 from webapp import batch_validation, create_app
 
 BODY = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
@@ -81,28 +80,30 @@ def test_reads_open_no_transaction(app, session_factory):
     assert seen == [pq.TransactionStatus.INTRANS]
 
 
+def _app_sharing_figures(service_settings, seconds: float):
+    """Settings with a key prefix of their own and running batches' figures shared for
+    `seconds`, and the app serving them."""
+    settings = service_settings.with_overrides(
+        redis_prefix=service_settings.redis_prefix + "b" + uuid.uuid4().hex[:6],
+        batch_progress_cache_seconds=seconds)
+    return settings, create_app(settings)
+
+
 def test_a_running_batch_reads_its_row_and_its_lines_once_and_a_done_one_is_finished(
         service_settings, session_factory):
     """Clients poll a running batch: its GET is two statements (the row, one pass over
     its lines, which also tells whether any line is left), not a finalizer's look besides,
     and the pass is shared for `batch_progress_cache_seconds` (then only the row is read);
     a batch whose lines all ended is still finished by the GET."""
-    settings = service_settings.with_overrides(
-        redis_prefix=service_settings.redis_prefix + "b" + uuid.uuid4().hex[:6],
-        batch_progress_cache_seconds=0.5)
-    app = create_app(settings)
-    statements: list[str] = []  # this thread's (the app's validator thread looks for work)
-    event.listen(app.extensions["llmq"].engine, "before_cursor_execute",
-                 lambda conn, cursor, statement, *rest: threading.get_ident() == me
-                 and statements.append(statement))
-    me = threading.get_ident()
+    settings, app = _app_sharing_figures(service_settings, 0.5)
     try:
         client = app.test_client()
         running = store_ended_batch(session_factory, ("succeeded", "running", "queued"))
 
         def look(num_statements: int) -> dict:
-            statements.clear()
-            body = client.get(f"/v1/batches/{running}").json
+            # this thread's statements (the app's validator thread looks for work)
+            with statements_sent(app.extensions["llmq"].engine, this_thread=True) as statements:
+                body = client.get(f"/v1/batches/{running}").json
             assert body["status"] == "in_progress", body
             assert body["output_file_id"] is None
             assert len(statements) == num_statements, statements
@@ -123,5 +124,39 @@ def test_a_running_batch_reads_its_row_and_its_lines_once_and_a_done_one_is_fini
         assert body["status"] == "completed", body
         assert body["request_counts"] == {"total": 2, "completed": 1, "failed": 1}
         assert body["output_file_id"] and body["error_file_id"]
+    finally:
+        app.extensions["llmq"].close()
+
+
+def test_a_listing_shares_its_running_batches_figures(service_settings, session_factory):
+    """`GET /v1/batches`: the page's rows in one statement; each running batch's figures
+    from one pass over its lines, shared with every read for
+    `batch_progress_cache_seconds` (a second listing within it reads the page alone); the
+    extra row that says a page follows costs no pass."""
+    settings, app = _app_sharing_figures(service_settings, 30)
+    try:
+        client = app.test_client()
+        running = [store_ended_batch(session_factory, ("succeeded", "running"))
+                   for _ in range(4)]  # the oldest is the extra row of a page of 3
+
+        def listing(num_statements: int) -> dict:
+            with statements_sent(app.extensions["llmq"].engine, this_thread=True) as sent:
+                body = client.get("/v1/batches?limit=3").json
+            assert len(sent) == num_statements, sent
+            return body
+
+        first = listing(1 + 3)  # the page, a pass for each listed batch
+        assert [row["id"] for row in first["data"]] == running[:0:-1]
+        assert first["has_more"] is True and first["last_id"] == running[1]
+        assert all(row["request_counts"] == {"total": 2, "completed": 1, "failed": 0}
+                   for row in first["data"])
+        with session_factory.begin() as session:  # a line ends meanwhile
+            session.execute(update(Job).where(Job.batch_id == running[3],
+                                              Job.status == "running").values(status="failed"))
+        assert listing(1)["data"] == first["data"]  # the shared figures
+        # a batch's own GET reads the figures the listing shared, and the other way round
+        app.extensions["llmq"].redis.delete(batch_progress_key(settings, running[2]))
+        assert client.get(f"/v1/batches/{running[2]}").json["status"] == "in_progress"
+        assert listing(1)["data"] == first["data"]
     finally:
         app.extensions["llmq"].close()
