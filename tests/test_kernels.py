@@ -498,6 +498,29 @@ def test_runner_times_both_linear_paths_at_start_up_and_takes_the_faster(
     assert forced.linear_path == "reference" and forced.linear_probe == {}
 
 
+def test_the_ranks_of_a_cpu_group_share_the_memory_for_fp32_copies(tiny_qwen3_tied_dir,
+                                                                     monkeypatch):
+    """Ranks on one host decide on fp32 copies at once, each after its own load: with two,
+    each shard's copies may take half the share of the memory available (the decision
+    alone, on any CPU: which weights are widened is the CPU's)."""
+    from kernels import linear as dense
+    from workers.engine import model_runner
+    from workers.engine.loader import load_checkpoint
+
+    monkeypatch.setattr(dense, "can_prepack_widened", lambda weight: True)
+    model = load_checkpoint(tiny_qwen3_tied_dir, dtype="bfloat16").model
+    weights = {id(m.weight): m.weight for m in model.modules()
+               if isinstance(m, model_runner.LinearBase | model_runner.ParallelLMHead)}
+    copies = 2 * sum(w.numel() * w.element_size() for w in weights.values())
+    share = model_runner.WIDENED_COPIES_MEMORY_SHARE
+    for available, ranks, fits in ((int(copies / share) + 1024, 1, True),
+                                   (int(copies / share) + 1024, 2, False),
+                                   (int(2 * copies / share) - 1024, 2, False),
+                                   (int(2 * copies / share) + 1024, 2, True)):
+        monkeypatch.setattr(model_runner, "available_memory", lambda a=available: a)
+        assert model_runner.widened_copies_fit(model, ranks_on_host=ranks) is fits, ranks
+
+
 def test_bf16_weights_get_fp32_copies_only_where_they_fit_in_memory(
         tiny_qwen3_tied_dir, monkeypatch):
     """Without bf16 dot products, a plan that prepacks gives bf16 weights fp32 copies

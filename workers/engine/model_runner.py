@@ -116,7 +116,10 @@ class ModelRunner:
         self.panel_weights = 0  # fp32 weights packed in panels for the native kernel
         # bf16 weights without bf16 dot products: fp32 prepacked copies may be made for
         # the calls of many rows (`widened_copies_fit`); how many were
-        self.widen = self.device.type == "cpu" and widened_copies_fit(self.model)
+        # (the ranks of a CPU tensor-parallel group share the host's memory and decide
+        # at once, each after its own load: each takes its part of the share)
+        self.widen = self.device.type == "cpu" and widened_copies_fit(
+            self.model, ranks_on_host=loaded.tp_size)
         self.widened_weights = 0
         # per prefetch distance of the native kernel's one-row stream (bytes), the seconds
         # of a one-row pass timed at start-up, when they were (the fastest is kept)
@@ -536,12 +539,14 @@ class ModelRunner:
         return rows, seqs
 
 
-def widened_copies_fit(model: torch.nn.Module) -> bool:
+def widened_copies_fit(model: torch.nn.Module, ranks_on_host: int = 1) -> bool:
     """True when fp32 copies of `model`'s bf16 projection weights that cannot be packed as
     bf16 on this CPU (`dense.can_prepack_widened`: no bf16 dot products) would take at
     most `WIDENED_COPIES_MEMORY_SHARE` of the memory available now; False when there are
     none. The plain bf16 weights stay for the native kernel's few rows, so the copies add
-    twice their bytes."""
+    twice their bytes. `ranks_on_host`: shards of the model on this host making their
+    copies at the same time (a CPU tensor-parallel group's ranks), each of which may take
+    that many times less."""
     weights = {id(m.weight): m.weight for m in model.modules()
                if isinstance(m, LinearBase | ParallelLMHead)
                and dense.can_prepack_widened(m.weight)}
@@ -549,7 +554,8 @@ def widened_copies_fit(model: torch.nn.Module) -> bool:
     if not copies:
         return False
     available = available_memory()
-    fits = available is not None and copies <= WIDENED_COPIES_MEMORY_SHARE * available
+    fits = (available is not None
+            and copies * ranks_on_host <= WIDENED_COPIES_MEMORY_SHARE * available)
     if not fits:
         logger.info("bf16 weights stay plain for every call: fp32 copies for the calls of "
                     "many rows would take %.1f GB of %s available", copies / 1e9,
