@@ -505,12 +505,13 @@ def _running_rows(session_factory, group_id: str, n: int) -> list[str]:
 
 
 def _result(job_id: str, background: bool) -> JobResult:
+    """A result; `background`: a batch line's (of a batch that is not stored)."""
     return JobResult(job_id=job_id, status=JobStatus.SUCCEEDED, finish_reason="length",
                      error=None, output=[{"index": 0, "text": "x", "finish_reason": "length",
                                           "token_ids": [1]}],
                      output_text="x", prompt_tokens=1, completion_tokens=1, cached_tokens=0,
                      event=JobEvent(EventType.DONE, finish_reason="length"), attempt=1,
-                     background=background)
+                     batch_id="batch_unstored" if background else None)
 
 
 @pytest.mark.alone

@@ -45,11 +45,14 @@ class JobResult:
     # written by hand, which is then fenced by status and worker alone
     attempt: int | None = None
     error_kind: JobErrorKind | None = None  # set when status is failed: 400 or 500 to clients
-    # a batch line's: nobody waits on it, so the writer may hold it back a little to write
-    # it with others (workers/db_writer.py, BACKGROUND_LINGER_SECONDS)
-    background: bool = False
     # the batch it is a line of: once stored, the writer looks whether the batch is done
     batch_id: str | None = None
+
+    @property
+    def background(self) -> bool:
+        """A batch line's: nobody waits on it, so the writer may hold it back a little to
+        write it with others (workers/db_writer.py, BACKGROUND_LINGER_SECONDS)."""
+        return self.batch_id is not None
 
 
 @dataclass(slots=True)
@@ -237,7 +240,7 @@ def unstorable(result: JobResult, exc: Exception) -> JobResult:
                      cached_tokens=result.cached_tokens, event=event,
                      first_token_at=result.first_token_at, finished_at=result.finished_at,
                      attempt=result.attempt, error_kind=JobErrorKind.SERVER_ERROR,
-                     background=result.background, batch_id=result.batch_id)
+                     batch_id=result.batch_id)
 
 
 def _progress(item: JobProgress) -> dict[str, Any]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from tasks.api.batches import is_batch_priority
 from tasks.metrics import JobFigures
 from tasks.models import JobErrorKind, JobStatus
 from tasks.protocol import EventType, JobEvent
@@ -149,7 +148,6 @@ class JobState:
             first_token_at=self.first_token_at,
             attempt=self.job.attempt,
             error_kind=self.error_kind if self.error is not None else None,
-            background=is_batch_priority(self.job.priority),
             batch_id=self.job.batch_id,
         )
 
