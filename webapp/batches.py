@@ -102,7 +102,7 @@ def get_batch(batch_id: str) -> Response:
     # read above and one pass over its lines (shared for a moment), which also says
     # whether any is left: only then does the GET try to finish it (each finalizer look
     # is two more reads)
-    progress = running_progress(svc, batch)
+    (progress,) = shared_progress(svc, [batch])
     if (BatchStatus(batch.status) in FINAL_STATUS and progress.unfinished == 0
             and finalize_if_done(svc.session_factory, batch.id)):
         return jsonify(_answer(svc, batch.id))
@@ -132,7 +132,7 @@ def list_batches() -> Response:
                 in zip(listed, shared_progress(svc, listed, session))]
     if any(row["status"] == BatchStatus.VALIDATING.value for row in data):
         batch_validator().wake()
-    return jsonify({**page(data, query.limit), "has_more": len(rows) > query.limit})
+    return jsonify(page(data, query.limit, has_more=len(rows) > query.limit))
 
 
 @bp.post("/<batch_id>/cancel")
@@ -169,11 +169,6 @@ def _answer(svc: Services, batch_id: str) -> dict[str, Any]:
         return batch_to_dict(batch, batch_progress(session, batch))
 
 
-def running_progress(svc: Services, batch: Batch) -> BatchProgress:
-    """`batch_progress` of `batch`, shared while it runs (see `shared_progress`)."""
-    return shared_progress(svc, [batch])[0]
-
-
 def shared_progress(svc: Services, batches: list[Batch],
                     session: Session | None = None) -> list[BatchProgress]:
     """`batch_progress` of each of `batches`; for a running one (in progress, cancelling,
@@ -184,16 +179,16 @@ def shared_progress(svc: Services, batches: list[Batch],
     running batches) now costs one pass a batch a second. Redis unreachable: a pass each.
     `session`: where the passes read (one is opened when needed and none is given)."""
     seconds = svc.settings.batch_progress_cache_seconds
-    running = [seconds > 0 and BatchStatus(batch.status) in FINAL_STATUS for batch in batches]
-    keys = [batch_progress_key(svc.settings, batch.id) for batch in batches]
-    shared: dict[int, BatchProgress] = {}  # by index in `batches`
-    wanted = [i for i, is_running in enumerate(running) if is_running]
-    if wanted:
+    # by index in `batches`: the running ones' keys
+    keys = {i: batch_progress_key(svc.settings, batch.id) for i, batch in enumerate(batches)
+            if seconds > 0 and BatchStatus(batch.status) in FINAL_STATUS}
+    shared: dict[int, BatchProgress] = {}
+    if keys:
         try:
-            values = svc.redis.mget([keys[i] for i in wanted])
+            values = svc.redis.mget(list(keys.values()))
         except redis.RedisError:
-            values = [None] * len(wanted)
-        for i, value in zip(wanted, values):
+            values = [None] * len(keys)
+        for i, value in zip(keys, values):
             if value is not None:
                 try:
                     shared[i] = BatchProgress.from_json(value)
@@ -206,7 +201,7 @@ def shared_progress(svc: Services, batches: list[Batch],
             reads = session if session is not None else stack.enter_context(svc.reads())
             for i in missing:
                 computed[i] = batch_progress(reads, batches[i])
-    to_share = [(keys[i], progress.to_json()) for i, progress in computed.items() if running[i]]
+    to_share = [(keys[i], progress.to_json()) for i, progress in computed.items() if i in keys]
     if to_share:
         try:
             with svc.redis.pipeline(transaction=False) as pipe:

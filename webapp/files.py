@@ -171,9 +171,12 @@ def _expires_after(form: MultiDict[str, str]) -> ExpiresAfter | None:
         raise APIError(400, "invalid_value", error.message, error.param) from None
 
 
-def page(data: list[dict[str, Any]], limit: int) -> dict[str, Any]:
-    """OpenAI's cursor page of `data` (read with limit + 1 rows: the extra says has_more)."""
-    has_more = len(data) > limit
+def page(data: list[dict[str, Any]], limit: int,
+         has_more: bool | None = None) -> dict[str, Any]:
+    """OpenAI's cursor page of `data` (read with limit + 1 rows: the extra says has_more;
+    or `has_more` given, where the extra row was not made an item)."""
+    if has_more is None:
+        has_more = len(data) > limit
     data = data[:limit]
     return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
             "last_id": data[-1]["id"] if data else None, "has_more": has_more}
