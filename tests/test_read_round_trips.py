@@ -158,5 +158,15 @@ def test_a_listing_shares_its_running_batches_figures(service_settings, session_
         app.extensions["llmq"].redis.delete(batch_progress_key(settings, running[2]))
         assert client.get(f"/v1/batches/{running[2]}").json["status"] == "in_progress"
         assert listing(1)["data"] == first["data"]
+        # hostile paging: a clear 400 naming the parameter, and the next listing unchanged
+        for query, param, code in (("limit=101", "limit", "invalid_value"),
+                                   ("limit=-1", "limit", "invalid_value"),
+                                   ("after=batch_nope", "after", "invalid_cursor"),
+                                   ("after=" + "x" * 10_000, "after", "invalid_cursor")):
+            answer = client.get(f"/v1/batches?{query}")
+            assert answer.status_code == 400, (query, answer.json)
+            assert (answer.json["error"]["param"], answer.json["error"]["code"]) == (
+                param, code), query
+        assert listing(1)["data"] == first["data"]
     finally:
         app.extensions["llmq"].close()
