@@ -111,6 +111,9 @@ class _Library:
         lib.llmq_panels_set_row_prefetch.argtypes = [i64]
         lib.llmq_panels_set_row_prefetch.restype = None
         self.set_panel_row_prefetch = lib.llmq_panels_set_row_prefetch
+        lib.llmq_panels_set_row_streams.argtypes = [i64]
+        lib.llmq_panels_set_row_streams.restype = None
+        self.set_panel_row_streams = lib.llmq_panels_set_row_streams
         flt = ctypes.c_float
         signatures = {
             "rms_norm": [ptr, i64, i64, i64, i64, i64, ptr, flt, ptr, ctypes.c_int],
@@ -364,6 +367,39 @@ def time_panel_row_prefetch(panels: list[tuple[torch.Tensor, int]],
             panel_linear(x, packed, out_features)
 
     return _time_choices(one_row_pass, choices, rounds, set_panel_row_prefetch)
+
+
+# How many panels a one-row call on fp32 panels reads side by side, first the build's
+# default (one): the start-up timing (`time_panel_row_streams`) keeps the fastest. Xeon
+# Ice Lake, 2 threads: a one-row pass over the 100m model 4-8 streams 18.1-18.9 ms, one
+# 21.6-22.6 (panels.c).
+MAX_PANEL_ROW_STREAMS = 8
+PANEL_ROW_STREAMS_CHOICES = (1, 4, 8)
+
+
+def set_panel_row_streams(streams: int) -> None:
+    """How many panels one-row calls read at once (1..MAX_PANEL_ROW_STREAMS), for every
+    later call in this process."""
+    library = _loaded()
+    if not 1 <= streams <= MAX_PANEL_ROW_STREAMS:
+        raise ValueError(f"a one-row call reads 1 to {MAX_PANEL_ROW_STREAMS} panels at "
+                         f"once, not {streams}")
+    library.set_panel_row_streams(streams)
+
+
+def time_panel_row_streams(panels: list[tuple[torch.Tensor, int]],
+                           choices: tuple[int, ...] = PANEL_ROW_STREAMS_CHOICES,
+                           rounds: int = 11) -> dict[int, float]:
+    """Per number of streams, the median seconds of a one-row pass over `panels` (as for
+    `time_panel_row_prefetch`, with the prefetch as it is set). Leaves the first choice
+    set; the caller sets the one it keeps."""
+    xs = [torch.randn(1, packed.shape[1]) for packed, _ in panels]
+
+    def one_row_pass() -> None:
+        for x, (packed, out_features) in zip(xs, panels):
+            panel_linear(x, packed, out_features)
+
+    return _time_choices(one_row_pass, choices, rounds, set_panel_row_streams)
 
 
 # ---- the small operations of a step (native/step_ops.c) ---------------------------------

@@ -281,6 +281,41 @@ def test_the_panels_row_prefetch_changes_no_bits():
         t > 0 for t in times.values())
 
 
+def test_reading_panels_side_by_side_changes_no_bits():
+    """A one-row call reads 1..8 panels at once as set, each output the same sum in the
+    same order (with or without a prefetch, with a bias, threads holding fewer panels than
+    streams, a last panel past the weight's rows); calls of more rows do not read the
+    setting; 0 and 9 are refused."""
+    gen = torch.Generator().manual_seed(12)
+    weight, bias = torch.randn(1000, 768, generator=gen), torch.randn(1000, generator=gen)
+    small = torch.randn(70, 300, generator=gen)  # 3 panels (AVX-512): fewer than streams
+    packed, packed_small = native.pack_panels(weight), native.pack_panels(small)
+    x1 = torch.randn(1, 768, generator=gen)
+    x5 = torch.randn(5, 768, generator=gen)
+    xs = torch.randn(1, 300, generator=gen)
+    want = [native.panel_linear(x1, packed, 1000, bias), native.panel_linear(x5, packed, 1000),
+            native.panel_linear(xs, packed_small, 70)]
+    assert torch.allclose(want[0], x1 @ weight.T + bias, atol=1e-4)
+    try:
+        for streams in range(1, native.MAX_PANEL_ROW_STREAMS + 1):
+            for prefetch in (native.NEXT_PANEL, 0, 2048):
+                native.set_panel_row_streams(streams)
+                native.set_panel_row_prefetch(prefetch)
+                got = [native.panel_linear(x1, packed, 1000, bias),
+                       native.panel_linear(x5, packed, 1000),
+                       native.panel_linear(xs, packed_small, 70)]
+                assert all(torch.equal(a, b) for a, b in zip(got, want)), (streams, prefetch)
+        for bad in (0, native.MAX_PANEL_ROW_STREAMS + 1):
+            with pytest.raises(ValueError, match=str(bad)):
+                native.set_panel_row_streams(bad)
+        times = native.time_panel_row_streams([(packed, 1000)], rounds=2)
+        assert set(times) == set(native.PANEL_ROW_STREAMS_CHOICES) and all(
+            t > 0 for t in times.values())
+    finally:
+        native.set_panel_row_streams(1)
+        native.set_panel_row_prefetch(native.NEXT_PANEL)
+
+
 def test_the_runner_keeps_the_fastest_panel_row_prefetch(tiny_qwen3_tied_dir, monkeypatch):
     """With fp32 weights in panels, `auto` times one-row passes on them per way of
     prefetching and keeps the fastest; without panels, or on a fixed path, nothing."""
@@ -288,10 +323,13 @@ def test_the_runner_keeps_the_fastest_panel_row_prefetch(tiny_qwen3_tied_dir, mo
     from workers.engine.model_runner import ModelRunner
 
     monkeypatch.setenv("LLMQ_LINEAR_PATH", "auto")
-    chosen = []
+    chosen, chosen_streams = [], []
     monkeypatch.setattr(native, "set_panel_row_prefetch",
                         lambda n, set_=native.set_panel_row_prefetch: (chosen.append(n),
                                                                        set_(n)))
+    monkeypatch.setattr(native, "set_panel_row_streams",
+                        lambda n, set_=native.set_panel_row_streams: (
+                            chosen_streams.append(n), set_(n)))
     try:
         runner = ModelRunner(load_checkpoint(tiny_qwen3_tied_dir, dtype="float32"),
                              kv_cache_bytes=1 << 20)
@@ -299,17 +337,25 @@ def test_the_runner_keeps_the_fastest_panel_row_prefetch(tiny_qwen3_tied_dir, mo
             times = runner.panel_prefetch_probe
             assert set(times) == set(native.PANEL_ROW_PREFETCH_CHOICES)
             assert runner.panel_row_prefetch == min(times, key=times.get) == chosen[-1]
+            streams = runner.panel_streams_probe
+            assert set(streams) == set(native.PANEL_ROW_STREAMS_CHOICES)
+            assert runner.panel_row_streams == min(streams, key=streams.get) == (
+                chosen_streams[-1])
         else:
             assert runner.panel_prefetch_probe == {} and runner.panel_row_prefetch is None
+            assert runner.panel_streams_probe == {} and runner.panel_row_streams is None
         bf16 = ModelRunner(load_checkpoint(tiny_qwen3_tied_dir, dtype="bfloat16"),
                            kv_cache_bytes=1 << 20)
         assert not bf16.panel_weights and bf16.panel_prefetch_probe == {}
+        assert bf16.panel_streams_probe == {}
         monkeypatch.setenv("LLMQ_LINEAR_PATH", "native")
         fixed = ModelRunner(load_checkpoint(tiny_qwen3_tied_dir, dtype="float32"),
                             kv_cache_bytes=1 << 20)
         assert fixed.panel_prefetch_probe == {} and fixed.panel_row_prefetch is None
+        assert fixed.panel_streams_probe == {} and fixed.panel_row_streams is None
     finally:
         native.set_panel_row_prefetch(native.NEXT_PANEL)
+        native.set_panel_row_streams(1)
 
 
 def test_without_a_compiler_the_native_path_falls_back_to_prepacked(tmp_path,

@@ -39,6 +39,7 @@ def _no_timing(monkeypatch) -> None:
     monkeypatch.setattr(dense, "time_paths", refuse)
     monkeypatch.setattr(native, "time_row_prefetch", refuse)
     monkeypatch.setattr(native, "time_panel_row_prefetch", refuse)
+    monkeypatch.setattr(native, "time_panel_row_streams", refuse)
     monkeypatch.setattr(runner_module, "alternated_medians", refuse)
 
 
@@ -56,7 +57,7 @@ def _logits(runner: ModelRunner) -> torch.Tensor:
 
 def _plan(runner: ModelRunner) -> tuple:
     return (runner.linear_path, runner.plain_rows, runner.skinny_rows, runner.decoder_rows,
-            runner.row_prefetch, runner.panel_row_prefetch)
+            runner.row_prefetch, runner.panel_row_prefetch, runner.panel_row_streams)
 
 
 def test_a_second_start_reads_the_first_ones_timings_and_plans_the_same(
@@ -77,6 +78,7 @@ def test_a_second_start_reads_the_first_ones_timings_and_plans_the_same(
     assert second.decoder_probe == first.decoder_probe
     assert second.row_prefetch_probe == first.row_prefetch_probe
     assert second.panel_prefetch_probe == first.panel_prefetch_probe
+    assert second.panel_streams_probe == first.panel_streams_probe
     assert _plan(second) == _plan(first)
     assert torch.equal(_logits(second), expected_logits)
 

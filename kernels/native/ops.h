@@ -34,6 +34,7 @@ LLMQ_OPS(bf16, uint16_t)
 /* fp32 projections on weights packed in panels (panels.c) */
 int64_t llmq_panel_width(void);
 void llmq_panels_set_row_prefetch(int64_t bytes);
+void llmq_panels_set_row_streams(int64_t streams);
 void llmq_pack_panels_f32(const float *w, float *wp, int64_t N, int64_t K, int threads);
 int llmq_panels_f32(const float *x, const float *wp, const float *bias, float *y, int64_t M,
                     int64_t N, int64_t K, int64_t ldx, int threads);

@@ -1,9 +1,10 @@
 """The start-up timings of a model on this machine, kept on disk for the next start.
 
 With `LLMQ_LINEAR_PATH=auto` (the default) a `ModelRunner` on the CPU times its linear
-paths, the native kernel's one-row prefetch (row-major weights or fp32 panels) and whole
-decode steps with and without the native decoder before it serves (seconds: 8-13 s of
-an 11-18 s start for the `100m` preset in fp32 on two cores). What those timings decide
+paths, the native kernel's one-row prefetch (row-major weights or fp32 panels), how many
+fp32 panels a one-row call reads at once, and whole decode steps with and without the
+native decoder before it serves (seconds: 8-13 s of an 11-18 s start for the `100m`
+preset in fp32 on two cores). What those timings decide
 depends on the machine, the model's shapes, the dtype, the threads and the code that
 runs, not on anything a start changes, so the figures are stored under a key of all of
 those and read back by the next start with the same key: a restarted worker serves again
@@ -37,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 TIMINGS_CACHE_ENV = "LLMQ_TIMINGS_CACHE"
 # bumped when the stored figures change meaning
-FORMAT = 2
+FORMAT = 3
 # the sources whose code is timed or decides what is timed: an edit times again
 _PACKAGE_ROOTS = (Path(__file__).resolve().parents[1] / "engine",
                   Path(__file__).resolve().parents[2] / "kernels")
@@ -50,19 +51,23 @@ class StartupTimings:
     the probe weights (`ModelRunner.linear_probe`); per prefetch distance, the seconds of
     a one-row pass (`row_prefetch_probe`); per row count, a decode step's seconds on the
     plan's paths and with the native decoder (`decoder_probe`); per prefetch choice, the
-    seconds of a one-row pass on fp32 panels (`panel_prefetch_probe`)."""
+    seconds of a one-row pass on fp32 panels (`panel_prefetch_probe`); per number of
+    panels read side by side, the same (`panel_streams_probe`)."""
 
     linear_probe: dict[int, dict[str, float]] = field(default_factory=dict)
     row_prefetch_probe: dict[int, float] = field(default_factory=dict)
     decoder_probe: dict[int, dict[str, float]] = field(default_factory=dict)
     panel_prefetch_probe: dict[int, float] = field(default_factory=dict)
+    panel_streams_probe: dict[int, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {"linear_probe": {str(m): t for m, t in self.linear_probe.items()},
                 "row_prefetch_probe": {str(n): t for n, t in self.row_prefetch_probe.items()},
                 "decoder_probe": {str(m): t for m, t in self.decoder_probe.items()},
                 "panel_prefetch_probe": {str(n): t
-                                         for n, t in self.panel_prefetch_probe.items()}}
+                                         for n, t in self.panel_prefetch_probe.items()},
+                "panel_streams_probe": {str(n): t
+                                        for n, t in self.panel_streams_probe.items()}}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> StartupTimings:
@@ -90,7 +95,8 @@ class StartupTimings:
         return cls(linear_probe=by_path(data["linear_probe"], {"reference"}),
                    row_prefetch_probe=by_choice(data["row_prefetch_probe"]),
                    decoder_probe=by_path(data["decoder_probe"], {"plan", "decoder"}),
-                   panel_prefetch_probe=by_choice(data["panel_prefetch_probe"]))
+                   panel_prefetch_probe=by_choice(data["panel_prefetch_probe"]),
+                   panel_streams_probe=by_choice(data["panel_streams_probe"]))
 
 
 def cache_dir() -> Path | None:
