@@ -369,17 +369,19 @@ def time_panel_row_prefetch(panels: list[tuple[torch.Tensor, int]],
     return _time_choices(one_row_pass, choices, rounds, set_panel_row_prefetch)
 
 
-# How many panels a one-row call on fp32 panels reads side by side, first the build's
-# default (one): the start-up timing (`time_panel_row_streams`) keeps the fastest. Xeon
-# Ice Lake, 2 threads: a one-row pass over the 100m model 4-8 streams 18.1-18.9 ms, one
-# 21.6-22.6 (panels.c).
+# How many panels a call of up to PANEL_STREAM_ROWS rows on fp32 panels reads side by
+# side (fewer where its rows' sums do not fit in the registers), first the build's default
+# (one): the start-up timing (`time_panel_row_streams`, on one-row calls) keeps the
+# fastest. Xeon Ice Lake, 2 threads, a pass over the 100m model: one row 17.6-18.9 ms on
+# 4-8 streams against 20.8-22.6 on one; 2-4 rows 18.0-20.6 against 22.3-24.2 (panels.c).
 MAX_PANEL_ROW_STREAMS = 8
+PANEL_STREAM_ROWS = 4
 PANEL_ROW_STREAMS_CHOICES = (1, 4, 8)
 
 
 def set_panel_row_streams(streams: int) -> None:
-    """How many panels one-row calls read at once (1..MAX_PANEL_ROW_STREAMS), for every
-    later call in this process."""
+    """How many panels calls of up to PANEL_STREAM_ROWS rows read at once
+    (1..MAX_PANEL_ROW_STREAMS), for every later call in this process."""
     library = _loaded()
     if not 1 <= streams <= MAX_PANEL_ROW_STREAMS:
         raise ValueError(f"a one-row call reads 1 to {MAX_PANEL_ROW_STREAMS} panels at "

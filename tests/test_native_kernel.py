@@ -282,28 +282,31 @@ def test_the_panels_row_prefetch_changes_no_bits():
 
 
 def test_reading_panels_side_by_side_changes_no_bits():
-    """A one-row call reads 1..8 panels at once as set, each output the same sum in the
-    same order (with or without a prefetch, with a bias, threads holding fewer panels than
-    streams, a last panel past the weight's rows); calls of more rows do not read the
-    setting; 0 and 9 are refused."""
+    """A call of up to 4 rows reads 1..8 panels at once as set, each output the same sum
+    in the same order (with or without a prefetch, with a bias, threads holding fewer
+    panels than streams, a last panel past the weight's rows); calls of more rows are
+    unchanged; 0 and 9 are refused."""
     gen = torch.Generator().manual_seed(12)
     weight, bias = torch.randn(1000, 768, generator=gen), torch.randn(1000, generator=gen)
     small = torch.randn(70, 300, generator=gen)  # 3 panels (AVX-512): fewer than streams
     packed, packed_small = native.pack_panels(weight), native.pack_panels(small)
-    x1 = torch.randn(1, 768, generator=gen)
-    x5 = torch.randn(5, 768, generator=gen)
-    xs = torch.randn(1, 300, generator=gen)
-    want = [native.panel_linear(x1, packed, 1000, bias), native.panel_linear(x5, packed, 1000),
-            native.panel_linear(xs, packed_small, 70)]
-    assert torch.allclose(want[0], x1 @ weight.T + bias, atol=1e-4)
+    xs = [torch.randn(rows, 768, generator=gen)
+          for rows in range(1, native.PANEL_STREAM_ROWS + 2)]
+    x_small = torch.randn(2, 300, generator=gen)
+
+    def calls() -> list[torch.Tensor]:
+        return ([native.panel_linear(x, packed, 1000, bias) for x in xs]
+                + [native.panel_linear(x_small, packed_small, 70)])
+
+    want = calls()
+    for x, out in zip(xs, want):
+        assert torch.allclose(out, x @ weight.T + bias, atol=1e-4)
     try:
         for streams in range(1, native.MAX_PANEL_ROW_STREAMS + 1):
             for prefetch in (native.NEXT_PANEL, 0, 2048):
                 native.set_panel_row_streams(streams)
                 native.set_panel_row_prefetch(prefetch)
-                got = [native.panel_linear(x1, packed, 1000, bias),
-                       native.panel_linear(x5, packed, 1000),
-                       native.panel_linear(xs, packed_small, 70)]
+                got = calls()
                 assert all(torch.equal(a, b) for a, b in zip(got, want)), (streams, prefetch)
         for bad in (0, native.MAX_PANEL_ROW_STREAMS + 1):
             with pytest.raises(ValueError, match=str(bad)):
@@ -653,6 +656,7 @@ def test_the_builds_for_other_x86_cpus_equal_the_references(monkeypatch, march, 
         monkeypatch.setattr(native, "PANEL_ISAS", (*native.PANEL_ISAS, "generic"))
     for shape in ((1, 7, 5), (5, 100, 768), (13, 97, 48), (25, 130, 96), (70, 65, 40)):
         test_panels_equal_the_exact_product(*shape)
+    test_reading_panels_side_by_side_changes_no_bits()
     for dtype in (torch.float32, torch.bfloat16):
         test_the_step_ops_equal_the_references(dtype)
         test_decode_attention_and_the_kv_store_equal_the_references(dtype)

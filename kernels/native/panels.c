@@ -30,13 +30,14 @@
  * two took 1.09-1.11 of it on one thread, and 8 KiB ahead 0.88-1.01 in two runs (0.95-0.97
  * on two threads): calls of several rows keep the next panel.
  *
- * A one-row call may also read `row_streams` panels at once (llmq_panels_set_row_streams,
- * also timed at start-up): a thread's panels split into that many runs, read side by side,
- * so the memory sees several sequential streams where one thread's single stream leaves
- * it waiting between misses. Xeon Ice Lake (AVX-512, no bf16), the 100m model's panels,
- * 2 threads: a one-row pass in 18.1-18.9 ms with 4 to 8 streams against 21.6-22.6 with
- * one (MKL's `linear` on the plain weights: 19.1). Each output is the same sum in the same
- * order either way. */
+ * A call of up to STREAM_ROWS rows may also read `row_streams` panels at once
+ * (llmq_panels_set_row_streams, timed at start-up on one-row calls; fewer where the rows'
+ * sums would not fit in the registers): a thread's panels split into that many runs, read
+ * side by side, so the memory sees several sequential streams where one thread's single
+ * stream leaves it waiting between misses. Xeon Ice Lake (AVX-512, no bf16), the 100m
+ * model's panels, 2 threads: a one-row pass in 17.6-18.9 ms with 4 to 8 streams against
+ * 20.8-22.6 with one (MKL's `linear` on the plain weights: 19.1); 2 to 4 rows 18.0-20.6
+ * against 22.3-24.2. Each output is the same sum in the same order either way. */
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -58,6 +59,7 @@ typedef __m512 vec;
 #define VADD(a, b) _mm512_add_ps((a), (b))
 #define VL 16
 #define PANELS_VECTOR 1
+#define STREAM_SUMS 24 /* vector sums streams x rows x 2 may hold */
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define NP 16
@@ -71,6 +73,7 @@ typedef __m256 vec;
 #define VADD(a, b) _mm256_add_ps((a), (b))
 #define VL 8
 #define PANELS_VECTOR 1
+#define STREAM_SUMS 12
 #else
 #define NP 16
 #define MRP 4
@@ -87,8 +90,10 @@ typedef __m256 vec;
  * this many bytes ahead of the stream it reads */
 static int64_t row_prefetch = -1;
 
-/* panels a one-row call reads side by side (1..MAX_STREAMS) */
+/* panels a call of few rows reads side by side (1..MAX_STREAMS) */
 #define MAX_STREAMS 8
+/* rows a call may have and read its panels side by side (each adds sums to hold) */
+#define STREAM_ROWS 4
 static int64_t row_streams = 1;
 
 int64_t llmq_panel_width(void) { return NP; }
@@ -97,8 +102,8 @@ int64_t llmq_panel_width(void) { return NP; }
  * during one */
 void llmq_panels_set_row_prefetch(int64_t bytes) { row_prefetch = bytes < -1 ? -1 : bytes; }
 
-/* how many panels a one-row call reads at once from now on (clamped to 1..MAX_STREAMS);
- * set between calls, not during one */
+/* how many panels a call of up to STREAM_ROWS rows reads at once from now on (clamped to
+ * 1..MAX_STREAMS); set between calls, not during one */
 void llmq_panels_set_row_streams(int64_t streams) {
     row_streams = streams < 1 ? 1 : streams > MAX_STREAMS ? MAX_STREAMS : streams;
 }
@@ -181,40 +186,50 @@ static void panel_any(const float *xt, const float *wp, int64_t K, int64_t mr, f
 }
 
 #if defined(PANELS_VECTOR)
-/* one row x [K] against `S` panels at once (wps[s]: panel s), out [S][NP]; with `ahead`
- * > 0 each stream prefetches that many bytes ahead of itself */
-static ALWAYS_INLINE void panel_streams(const float *x, const float *const *wps, int S,
-                                        int64_t K, float *out, int64_t ahead) {
-    vec acc[MAX_STREAMS][2];
-    for (int s = 0; s < S; ++s) acc[s][0] = acc[s][1] = VZERO();
+/* `mr` rows of x (xt [K][mr], x transposed; one row is its own) against `S` panels at
+ * once (wps[s]: panel s), out [S][mr][NP]; with `ahead` > 0 each stream prefetches that
+ * many bytes ahead of itself */
+static ALWAYS_INLINE void panel_streams(const float *xt, int64_t mr, const float *const *wps,
+                                        int S, int64_t K, float *out, int64_t ahead) {
+    vec acc[MAX_STREAMS][STREAM_ROWS][2];
+    for (int s = 0; s < S; ++s)
+        for (int64_t i = 0; i < mr; ++i) acc[s][i][0] = acc[s][i][1] = VZERO();
     for (int64_t k = 0; k < K; ++k) {
-        vec xb = VSET1(x[k]);
+        const float *xk = xt + k * mr;
         for (int s = 0; s < S; ++s) {
             const float *wk = wps[s] + k * NP;
             if (ahead) __builtin_prefetch((const char *)wk + ahead, 0, 2);
-            acc[s][0] = VFMA(xb, VLOAD(wk), acc[s][0]);
-            acc[s][1] = VFMA(xb, VLOAD(wk + VL), acc[s][1]);
+            vec w0 = VLOAD(wk), w1 = VLOAD(wk + VL);
+            for (int64_t i = 0; i < mr; ++i) {
+                vec xb = VSET1(xk[i]);
+                acc[s][i][0] = VFMA(xb, w0, acc[s][i][0]);
+                acc[s][i][1] = VFMA(xb, w1, acc[s][i][1]);
+            }
         }
     }
-    for (int s = 0; s < S; ++s) {
-        VSTORE(out + s * NP, acc[s][0]);
-        VSTORE(out + s * NP + VL, acc[s][1]);
-    }
+    for (int s = 0; s < S; ++s)
+        for (int64_t i = 0; i < mr; ++i) {
+            VSTORE(out + (s * mr + i) * NP, acc[s][i][0]);
+            VSTORE(out + (s * mr + i) * NP + VL, acc[s][i][1]);
+        }
 }
 
-/* panel_streams with S a constant: its sums stay in registers */
-#define STREAMS_CASE(n)                                                                   \
-    case n:                                                                               \
-        panel_streams(x, wps, n, K, out, ahead);                                          \
+/* panel_streams with mr and S constants: its sums stay in registers */
+#define STREAMS_CASE(r, n)                                                                \
+    case (r) * 16 + (n):                                                                  \
+        panel_streams(xt, r, wps, n, K, out, ahead);                                      \
         break;
-static void panel_streams_any(const float *x, const float *const *wps, int S, int64_t K,
-                              float *out, int64_t ahead) {
-    switch (S) {
-        STREAMS_CASE(1) STREAMS_CASE(2) STREAMS_CASE(3) STREAMS_CASE(4) STREAMS_CASE(5)
-        STREAMS_CASE(6) STREAMS_CASE(7)
-    default:
-        panel_streams(x, wps, MAX_STREAMS, K, out, ahead);
-        break;
+static void panel_streams_any(const float *xt, int64_t mr, const float *const *wps, int S,
+                              int64_t K, float *out, int64_t ahead) {
+    switch (mr * 16 + S) {
+        STREAMS_CASE(1, 1) STREAMS_CASE(1, 2) STREAMS_CASE(1, 3) STREAMS_CASE(1, 4)
+        STREAMS_CASE(1, 5) STREAMS_CASE(1, 6) STREAMS_CASE(1, 7) STREAMS_CASE(1, 8)
+        STREAMS_CASE(2, 1) STREAMS_CASE(2, 2) STREAMS_CASE(2, 3) STREAMS_CASE(2, 4)
+        STREAMS_CASE(2, 5) STREAMS_CASE(2, 6)
+        STREAMS_CASE(3, 1) STREAMS_CASE(3, 2) STREAMS_CASE(3, 3) STREAMS_CASE(3, 4)
+        STREAMS_CASE(4, 1) STREAMS_CASE(4, 2) STREAMS_CASE(4, 3)
+    default: /* not reached: S <= STREAM_SUMS / (2 * mr), mr <= STREAM_ROWS */
+        abort();
     }
 }
 #endif
@@ -268,24 +283,27 @@ int llmq_panels_f32(const float *x, const float *wp, const float *bias, float *y
             for (int64_t b = 0; b < panel_bytes && b < FIRST_BYTES; b += LINE)
                 __builtin_prefetch(start + b, 0, 2);
         }
-        float out[(MRP > MAX_STREAMS ? MRP : MAX_STREAMS) * NP];
+        float out[(MRP > MAX_STREAMS * STREAM_ROWS ? MRP : MAX_STREAMS * STREAM_ROWS) * NP];
 #if defined(PANELS_VECTOR)
-        if (M == 1 && row_streams > 1) {
-            /* the thread's panels in `row_streams` runs; step i reads the i-th of each */
-            int64_t per = (end - first + row_streams - 1) / row_streams;
+        /* panels read side by side: as many as set, and as the rows' sums fit */
+        int64_t S = M > STREAM_ROWS ? 1 : STREAM_SUMS / (2 * M);
+        if (S > row_streams) S = row_streams;
+        if (S > 1) {
+            /* the thread's panels in S runs; step i reads the i-th of each */
+            int64_t per = (end - first + S - 1) / S;
             for (int64_t i = 0; i < per; ++i) {
                 const float *wps[MAX_STREAMS];
                 int64_t ps[MAX_STREAMS];
                 int n = 0;
-                for (int64_t s = 0; s < row_streams; ++s) {
+                for (int64_t s = 0; s < S; ++s) {
                     int64_t p = first + s * per + i;
                     if (p < end) {
                         ps[n] = p;
                         wps[n++] = wp + p * K * NP;
                     }
                 }
-                panel_streams_any(xs, wps, n, K, out, row_prefetch > 0 ? row_prefetch : 0);
-                for (int s = 0; s < n; ++s) put_panel(y, out + s * NP, 1, ps[s], N, bias);
+                panel_streams_any(xs, M, wps, n, K, out, row_prefetch > 0 ? row_prefetch : 0);
+                for (int s = 0; s < n; ++s) put_panel(y, out + s * M * NP, M, ps[s], N, bias);
             }
             first = end; /* done: the loop below has nothing left */
         }

@@ -270,8 +270,9 @@ class ModelRunner:
     def _choose_panel_row_streams(self, cached: StartupTimings | None = None) -> None:
         """Then time one-row passes on the panels reading 1, 4 or 8 of them side by side
         (`native.PANEL_ROW_STREAMS_CHOICES`, with the prefetch just kept) and keep the
-        fastest. Xeon Ice Lake: 4 to 8 streams read 15-20% faster than one. With
-        `cached`, an earlier start's figures instead."""
+        fastest for calls of up to `native.PANEL_STREAM_ROWS` rows. Xeon Ice Lake: 4 to 8
+        streams read 15-20% faster than one. With `cached`, an earlier start's figures
+        instead."""
         def measure() -> dict[int, float]:
             panels = probe_panels(self.model)
             return native.time_panel_row_streams(panels) if panels else {}
@@ -282,8 +283,8 @@ class ModelRunner:
 
     @property
     def panel_row_streams(self) -> int | None:
-        """How many panels one-row calls read at once, as the start-up timing kept (None:
-        nothing was timed; one)."""
+        """How many panels calls of few rows read at once, as the start-up timing kept
+        (None: nothing was timed; one)."""
         return _fastest(self.panel_streams_probe)
 
     def _weigh_native_decoder(self, use_decoder: Callable[[int], int], rounds: int = 5,
