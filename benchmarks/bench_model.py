@@ -253,8 +253,9 @@ def main() -> None:
                   f"{panel_prefetch(n)} {t * 1e3:.2f}"
                   for n, t in runner.panel_prefetch_probe.items()) + ")")
     if runner.panel_streams_probe:
-        print(f"one-row calls on fp32 panels read {runner.panel_row_streams} panel(s) at once "
-              "(ms per one-row pass timed at start-up, by panels at once: " + ", ".join(
+        print(f"calls of up to {native.PANEL_STREAM_ROWS} rows on fp32 panels read "
+              f"{runner.panel_row_streams} panel(s) at once (ms per one-row pass timed at "
+              "start-up, by panels at once: " + ", ".join(
                   f"{n} {t * 1e3:.2f}" for n, t in runner.panel_streams_probe.items()) + ")")
     print(f"weights in transparent huge pages: {runner.huge_page_bytes / 1e6:.0f} MB "
           f"({huge_pages.SETTING_ENV}={huge_pages.setting()}, the kernel's mode "

@@ -360,13 +360,18 @@ def time_panel_row_prefetch(panels: list[tuple[torch.Tensor, int]],
     result, out_features) pairs) with `panel_linear` (the choices alternated,
     `timing.alternated_medians`). Leaves the first choice set; the caller sets the one it
     keeps."""
+    return _time_choices(_panel_one_row_pass(panels), choices, rounds, set_panel_row_prefetch)
+
+
+def _panel_one_row_pass(panels: list[tuple[torch.Tensor, int]]) -> Callable[[], None]:
+    """A one-row `panel_linear` over each of `panels` ((packed, out_features) pairs)."""
     xs = [torch.randn(1, packed.shape[1]) for packed, _ in panels]
 
     def one_row_pass() -> None:
         for x, (packed, out_features) in zip(xs, panels):
             panel_linear(x, packed, out_features)
 
-    return _time_choices(one_row_pass, choices, rounds, set_panel_row_prefetch)
+    return one_row_pass
 
 
 # How many panels a call of up to PANEL_STREAM_ROWS rows on fp32 panels reads side by
@@ -384,7 +389,7 @@ def set_panel_row_streams(streams: int) -> None:
     (1..MAX_PANEL_ROW_STREAMS), for every later call in this process."""
     library = _loaded()
     if not 1 <= streams <= MAX_PANEL_ROW_STREAMS:
-        raise ValueError(f"a one-row call reads 1 to {MAX_PANEL_ROW_STREAMS} panels at "
+        raise ValueError(f"calls of few rows read 1 to {MAX_PANEL_ROW_STREAMS} panels at "
                          f"once, not {streams}")
     library.set_panel_row_streams(streams)
 
@@ -395,13 +400,7 @@ def time_panel_row_streams(panels: list[tuple[torch.Tensor, int]],
     """Per number of streams, the median seconds of a one-row pass over `panels` (as for
     `time_panel_row_prefetch`, with the prefetch as it is set). Leaves the first choice
     set; the caller sets the one it keeps."""
-    xs = [torch.randn(1, packed.shape[1]) for packed, _ in panels]
-
-    def one_row_pass() -> None:
-        for x, (packed, out_features) in zip(xs, panels):
-            panel_linear(x, packed, out_features)
-
-    return _time_choices(one_row_pass, choices, rounds, set_panel_row_streams)
+    return _time_choices(_panel_one_row_pass(panels), choices, rounds, set_panel_row_streams)
 
 
 # ---- the small operations of a step (native/step_ops.c) ---------------------------------

@@ -2,13 +2,13 @@
 
 With `LLMQ_LINEAR_PATH=auto` (the default) a `ModelRunner` on the CPU times its linear
 paths, the native kernel's one-row prefetch (row-major weights or fp32 panels), how many
-fp32 panels a one-row call reads at once, and whole decode steps with and without the
+fp32 panels calls of few rows read at once, and whole decode steps with and without the
 native decoder before it serves (seconds: 8-13 s of an 11-18 s start for the `100m`
-preset in fp32 on two cores). What those timings decide
-depends on the machine, the model's shapes, the dtype, the threads and the code that
-runs, not on anything a start changes, so the figures are stored under a key of all of
-those and read back by the next start with the same key: a restarted worker serves again
-sooner, and every worker of a machine runs the plan the first one measured.
+preset in fp32 on two cores). What those timings decide depends on the machine, the
+model's shapes, the dtype, the threads and the code that runs, not on anything a start
+changes, so the figures are stored under a key of all of those and read back by the next
+start with the same key: a restarted worker serves again sooner, and every worker of a
+machine runs the plan the first one measured.
 
 `LLMQ_TIMINGS_CACHE` names the directory (default `~/.cache/llmq/timings`); `off` times
 at every start. A file is one JSON object, written whole (a temporary file renamed over
