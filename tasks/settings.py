@@ -90,6 +90,10 @@ class Settings(BaseSettings):
     # many seconds per sample, each with every token made since (0: one event per step);
     # with steps slower than this nothing waits (workers/token_coalescer.py)
     stream_interval_seconds: float = Field(0.02, ge=0, le=1.0)
+    # the batcher thread's nice value: below 0 its steps run ahead of the host's other
+    # threads, taken only where the engine's threads leave cores to the rest of the host
+    # (workers/thread_priority.py); 0: the process's own priority
+    batcher_nice: int = Field(-20, ge=-20, le=19)
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     max_n: int = Field(8, ge=1, le=MAX_N_LIMIT)
     # the Batch API: an uploaded file's size (OpenAI's 200 MB), a batch's lines (OpenAI's

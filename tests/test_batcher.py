@@ -35,6 +35,7 @@ from workers.batcher import Batcher
 from workers.claims import JobClaims
 from workers.db_writer import DbWriter
 from workers.job_rows import JobResult
+from workers.thread_priority import this_thread_nice
 
 GREEDY = {"temperature": 0.0}
 
@@ -736,3 +737,39 @@ def test_a_streaming_job_gets_its_first_token_at_once_then_one_event_per_interva
                    if e.type is EventType.TOKEN]
     assert [len(e.token_ids) for e in slow_tokens] == [1, 1, 1, 1]
     assert sum((e.token_ids for e in slow_tokens), []) == slow_row.output[0]["token_ids"]
+
+
+class NiceRecordingEngine(FlakyEngine):
+    """Records the nice value of the thread that runs each step."""
+
+    def __init__(self, engine: Any) -> None:
+        super().__init__(engine)
+        self.step_nices: set[int] = set()
+
+    def step(self):
+        self.step_nices.add(this_thread_nice())
+        return super().step()
+
+
+def test_the_batcher_runs_its_steps_at_its_nice_value(service_settings, session_factory,
+                                                       redis_client, tiny_engine):
+    settings = service_settings
+    nice = this_thread_nice() + 2  # a lower priority: allowed without privileges
+    publisher = EventPublisher(redis_client, settings)
+    engine = NiceRecordingEngine(tiny_engine)
+    writer = DbWriter(settings, session_factory, publisher.publish, lambda _: None, "nicer")
+    batcher = Batcher(engine, publisher, writer, capacity=4, nice=nice)
+    admission = JobAdmission(settings, _claims(settings, session_factory, redis_client, writer,
+                                               "nicer"), batcher, writer, "nicer",
+                             lambda _: None)
+    writer.start()
+    batcher.start()
+    try:
+        job_id = insert_job(session_factory, params={"max_tokens": 3, **GREEDY})
+        assert admission.run(job_id) is GenerateOutcome.ADMITTED
+        assert wait_terminal(session_factory, job_id).status == JobStatus.SUCCEEDED.value
+    finally:
+        batcher.drain(0.0)
+        writer.stop()
+    assert engine.step_nices == {nice}
+    assert this_thread_nice() == nice - 2  # the test's own thread kept its value

@@ -58,6 +58,7 @@ from workers.job_state import JobState
 from workers.step_health import StepHealth
 from workers.step_publisher import StepPublisher
 from workers.thread_names import name_this_thread
+from workers.thread_priority import set_this_thread_nice
 from workers.token_coalescer import TokenCoalescer
 
 logger = logging.getLogger(__name__)
@@ -128,7 +129,10 @@ class Batcher:
         on_unhealthy: Callable[[str], None] | None = None,
         fault_inject_step_failures: int = 0,
         stream_interval: float = 0.0,
+        nice: int = 0,
     ) -> None:
+        """`nice`: the batcher thread's nice value (0: the process's own; what the group
+        may take: workers/thread_priority.py)."""
         self.engine = engine
         self.writer = writer
         self.capacity = capacity  # samples admitted at once (= the engine's max_num_seqs)
@@ -137,6 +141,7 @@ class Batcher:
         # seconds between a streaming job's token events after its first (0: every step's);
         # workers/token_coalescer.py
         self.stream_interval = stream_interval
+        self.nice = nice
         self._inbox = JobInbox(capacity)
         self._jobs: dict[str, JobState] = {}  # batcher thread only
         self._num_steps = 0
@@ -236,6 +241,10 @@ class Batcher:
 
     def _run(self) -> None:
         name_this_thread()
+        # NOTE: before the first step: the engine's pool threads started from this thread
+        # inherit the value
+        if self.nice and set_this_thread_nice(self.nice):
+            logger.info("batcher runs at nice %d", self.nice)
         logger.info("batcher started (capacity %d samples)", self.capacity)
         while True:
             # NOTE: only this thread changes _jobs and the engine's requests, so neither

@@ -80,6 +80,7 @@ class GroupRuntime:
         from workers.engine.builder import build_engine
         from workers.engine.config import EngineConfig
         from workers.heartbeat import GroupIdentity, Heartbeat
+        from workers.thread_priority import batcher_nice
 
         s = self.settings
         config = EngineConfig(
@@ -117,12 +118,14 @@ class GroupRuntime:
         self.redis = make_redis(s.redis_url)
         self._wait_for_redis()
         publisher = EventPublisher(self.redis, s)
+        nice, why = batcher_nice(s.batcher_nice, _engine_threads(), _usable_cores())
+        logger.info("the batcher's nice value: %d (%s)", nice, why)
         self.batcher = Batcher(self.engine, publisher, self.db,
                                capacity=s.max_num_seqs,
                                max_consecutive_failed_steps=s.max_consecutive_step_failures,
                                on_unhealthy=self._on_breaker,
                                fault_inject_step_failures=s.fault_inject_step_failures,
-                               stream_interval=s.stream_interval_seconds)
+                               stream_interval=s.stream_interval_seconds, nice=nice)
         self.admission = JobAdmission(s, self.db.claims, self.batcher, self.db,
                                       self.group_id, self.send_generate,
                                       model=self.model_name)
@@ -335,3 +338,16 @@ def _redacted(url: str) -> str:
     if not sep or "@" not in rest:
         return url
     return f"{scheme}://***@{rest.rpartition('@')[2]}"
+
+
+def _engine_threads() -> int:
+    """The engine's intra-op threads (torch's, shared with the native kernels)."""
+    import torch
+
+    return int(torch.get_num_threads())
+
+
+def _usable_cores() -> int:
+    """The cores this process may run on."""
+    getaffinity = getattr(os, "sched_getaffinity", None)
+    return len(getaffinity(0)) if getaffinity is not None else (os.cpu_count() or 1)
