@@ -13,6 +13,11 @@ would otherwise starve the web and the database of the host under load, so it ke
 default priority. Lowering the nice value needs CAP_SYS_NICE or an RLIMIT_NICE that allows
 it (a container's `--ulimit nice=40`); where the system refuses, the batcher runs at its
 default priority and says so once.
+
+Linux orders threads by nice within one scheduling group: with autogroups (a session's
+processes share one) or cgroups (systemd services, containers), the value ranks the
+batcher against the worker's own threads and the processes of its session or cgroup (all
+of `llmq up`'s); processes in other groups share the cores by their groups' weights.
 """
 
 from __future__ import annotations
