@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -159,6 +160,29 @@ class WorkerProcess:
                 self.process.wait(10)
         self._log.close()
         return self.process.returncode
+
+
+def thread_nice(pid: int, name: str) -> int:
+    """The nice value of process `pid`'s thread named `name` (Linux: /proc)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        if (task / "comm").read_text().strip() == name:
+            # the fields after the command's closing parenthesis; nice is the stat's 19th
+            return int((task / "stat").read_text().rpartition(")")[2].split()[16])
+    raise AssertionError(f"process {pid} has no thread named {name!r}")
+
+
+def expected_batcher_nice(engine_threads: int, worker_pid: int) -> int:
+    """The nice value a worker's batcher should run at under the default setting: its
+    rule (workers/thread_priority.py), where this user may raise a thread's priority."""
+    from workers.thread_priority import batcher_nice, set_this_thread_nice
+
+    wanted, _ = batcher_nice(Settings.model_fields["batcher_nice"].default, engine_threads,
+                             len(os.sched_getaffinity(worker_pid)))
+    allowed: list[bool] = []
+    probe = threading.Thread(target=lambda: allowed.append(set_this_thread_nice(-1)))
+    probe.start()
+    probe.join()
+    return wanted if wanted >= 0 or allowed[0] else 0
 
 
 @contextmanager

@@ -14,15 +14,18 @@ from tasks.maintenance import reclaim_expired_leases
 from tasks.models import JobStatus
 from tests.pipeline_helpers import (
     WorkerProcess,
+    expected_batcher_nice,
     get_job,
     iter_sse,
     read_ended_stream,
     read_job,
     running_worker,
     submit,
+    thread_nice,
     wait_for,
     wait_terminal,
 )
+from workers.batcher import THREAD_NAME as BATCHER_THREAD
 
 pytestmark = pytest.mark.integration
 
@@ -46,6 +49,13 @@ def offline_llm(service_settings):
 
     return LLM(service_settings.models["tiny"], max_num_seqs=8,
                kv_cache_bytes=16 * 1024 * 1024)
+
+
+def test_the_batcher_runs_ahead_where_the_engine_leaves_cores(group_a):
+    """One torch thread: on a host of two cores or more the batcher takes the raised
+    priority (where this user may raise one)."""
+    assert thread_nice(group_a.process.pid, BATCHER_THREAD) == expected_batcher_nice(
+        1, group_a.process.pid)
 
 
 def test_stream_equals_stored_output_equals_offline(base_url, group_a, session_factory,

@@ -15,14 +15,17 @@ import requests
 from tasks.models import JobStatus
 from tests.pipeline_helpers import (
     WorkerProcess,
+    expected_batcher_nice,
     iter_sse,
     read_ended_stream,
     read_job,
     running_worker,
     submit,
+    thread_nice,
     wait_for,
     wait_terminal,
 )
+from workers.batcher import THREAD_NAME as BATCHER_THREAD
 
 pytestmark = pytest.mark.integration
 
@@ -50,6 +53,9 @@ def test_tp_group_serves_the_tp1_text_and_reports_its_topology(base_url, tp_grou
     assert topology["devices"] == ["cpu", "cpu"] and len(set(topology["rank_pids"])) == 2
     assert topology["rank_pids"][0] == tp_group.process.pid
     assert topology["num_kv_tokens"] == topology["num_kv_blocks"] * 16 > 0
+    # both ranks' threads count against the host's cores (one torch thread each here)
+    assert thread_nice(tp_group.process.pid, BATCHER_THREAD) == expected_batcher_nice(
+        2, tp_group.process.pid)
     models = requests.get(f"{base_url}/v1/models", timeout=10).json()["data"]
     shown = [g for m in models for g in m["groups"] if g["id"] == tp_group.group_id]
     assert shown and shown[0]["topology"] == topology

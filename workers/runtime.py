@@ -35,7 +35,7 @@ from celery import Celery
 from tasks.api.batches import is_batch_priority
 from tasks.celery_app import send_generate
 from tasks.settings import Settings
-from workers.engine.topology import DeviceGroup, GroupTopology, build_topology
+from workers.engine.topology import DeviceGroup, DeviceKind, GroupTopology, build_topology
 from workers.host_memory import freeze_startup_objects
 
 if TYPE_CHECKING:
@@ -118,7 +118,11 @@ class GroupRuntime:
         self.redis = make_redis(s.redis_url)
         self._wait_for_redis()
         publisher = EventPublisher(self.redis, s)
-        nice, why = batcher_nice(s.batcher_nice, _engine_threads(), _usable_cores())
+        # NOTE: a CPU tensor-parallel group's ranks (processes of their own) share the
+        # host's cores: the engine's threads are all of theirs
+        ranks_on_cpu = tp if group.kind is DeviceKind.CPU else 1
+        nice, why = batcher_nice(s.batcher_nice, _engine_threads() * ranks_on_cpu,
+                                 _usable_cores())
         logger.info("the batcher's nice value: %d (%s)", nice, why)
         self.batcher = Batcher(self.engine, publisher, self.db,
                                capacity=s.max_num_seqs,
