@@ -14,6 +14,7 @@ import argparse
 import fcntl
 import os
 import shlex
+from collections.abc import Mapping
 from pathlib import Path
 from typing import IO
 
@@ -30,13 +31,13 @@ def add_state_flags(parser: argparse.ArgumentParser) -> None:
                         "sqlite:///<state dir>/llmq.db)")
 
 
-def state_dir_of(args: argparse.Namespace, environ: dict[str, str] | None = None) -> Path:
+def state_dir_of(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> Path:
     env = os.environ if environ is None else environ
     return Path(getattr(args, "state_dir", None) or env.get("LLMQ_STATE_DIR")
                 or DEFAULT_STATE_DIR).resolve()
 
 
-def database_url_of(args: argparse.Namespace, environ: dict[str, str] | None = None) -> str:
+def database_url_of(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> str:
     """`--database-url`, else `LLMQ_DATABASE_URL`, else SQLite in the state directory."""
     env = os.environ if environ is None else environ
     return (getattr(args, "database_url", None) or env.get("LLMQ_DATABASE_URL")

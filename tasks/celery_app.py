@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import tempfile
 from pathlib import Path
+from typing import Any, cast
 
 from celery import Celery
 from kombu.transport import redis as kombu_redis
@@ -53,9 +54,11 @@ class _RestoreGuardQoS(kombu_redis.QoS):
         try:
             return super().restore_unacked(client)
         except (AttributeError, *self.channel.connection_errors) as exc:
+            # (kombu declares `_delivered` as None on the class; a channel holds a dict)
+            delivered = cast(dict[Any, Any], self._delivered)
             logger.warning("could not give %d prefetched messages back to the broker (%s); "
-                           "beat's resend pass re-sends their jobs", len(self._delivered), exc)
-            self._delivered.clear()
+                           "beat's resend pass re-sends their jobs", len(delivered), exc)
+            delivered.clear()
             return None
 
 

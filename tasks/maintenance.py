@@ -46,7 +46,7 @@ from tasks.protocol import (
     JobEvent,
     group_alive_key,
 )
-from tasks.redis_client import make_redis
+from tasks.redis_client import as_text, make_redis
 from tasks.settings import Settings
 from tasks.streams.publish import EventPublisher
 
@@ -263,8 +263,8 @@ def forget_dead_groups(settings: Settings, redis: Redis) -> list[str]:
     prefix = settings.key("groups") + ":"
     removed: list[str] = []
     for key in redis.scan_iter(match=prefix + "*", count=EXPIRE_SCAN_COUNT, _type="hash"):
-        model = key.decode()[len(prefix):]
-        group_ids = [g.decode() for g in redis.hkeys(key)]
+        model = as_text(key)[len(prefix):]
+        group_ids = [as_text(g) for g in redis.hkeys(key)]
         pipe = redis.pipeline(transaction=False)
         for group_id in group_ids:
             pipe.exists(group_alive_key(settings, model, group_id))

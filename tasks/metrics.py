@@ -97,7 +97,7 @@ class WorkerMetrics:
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()  # HINCRBY fields
         self._sums: dict[str, float] = defaultdict(float)  # HINCRBYFLOAT fields (sums)
-        self._last_engine: dict[str, float] = {}
+        self._last_engine: dict[str, int] = {}
 
     def observe_job(self, job: JobFigures) -> None:
         """Record a finished job (batcher thread; no I/O)."""

@@ -19,7 +19,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from redis import Redis
 from sqlalchemy import Select, func, select
@@ -44,6 +44,9 @@ RATE_COUNTERS = {
     "inter_token_latency:sum": "itl_sum",
     "inter_token_latency:count": "itl_count",
 }
+
+# a statement keeps its row type through `_scoped`
+SelectT = TypeVar("SelectT", bound=Select)
 
 
 @dataclass(slots=True)
@@ -73,9 +76,9 @@ def list_jobs(session: Session, flt: JobFilter) -> JobPage:
     """The newest jobs matching `flt`, one page, in keyset order."""
     # NOTE: the page is chosen on (created_at, id) alone and its rows fetched after: a
     # sort over every matching row then carries two narrow columns, not the row preview.
-    chosen: Select[Any] = (select(Job.id, Job.created_at)
-                           .order_by(*keyset_order(Job.created_at, Job.id))
-                           .limit(flt.limit + 1))
+    chosen = (select(Job.id, Job.created_at)
+              .order_by(*keyset_order(Job.created_at, Job.id))
+              .limit(flt.limit + 1))
     chosen = _scoped(chosen, flt.owner, flt.auth_enabled)
     if flt.statuses:
         chosen = chosen.where(Job.status.in_(flt.statuses))
@@ -210,7 +213,7 @@ def job_request(session: Session, job: Job) -> dict[str, Any]:
     }
 
 
-def _scoped(statement: Select[Any], owner: uuid.UUID | None, auth_enabled: bool) -> Select[Any]:
+def _scoped(statement: SelectT, owner: uuid.UUID | None, auth_enabled: bool) -> SelectT:
     return statement.where(Job.api_key_id == owner) if auth_enabled else statement
 
 

@@ -266,7 +266,7 @@ def submit_job(job_request: JobRequest, prompt_text: str | None, prompt_token_id
     except sqlalchemy.exc.IntegrityError:
         # NOTE: a concurrent request with the same Idempotency-Key won the insert.
         existing = _find_idempotent(api_key_id, idempotency_key) if idempotency_key else None
-        if existing is None:
+        if existing is None or idempotency_key is None:
             raise
         if not seeded:
             job_request.params.seed = None

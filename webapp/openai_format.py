@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from tasks.api.openai import (
     DEFAULT_COMPLETION_MAX_TOKENS,
@@ -36,7 +36,8 @@ from tasks.schema import JobRequest, SchemaError, build_job_request, validate_bo
 from tasks.structured import InvalidStructuredOutputsError, StructuredOutputs
 from webapp.tool_calls import ToolMode, ToolPlan
 
-REQUEST_MODELS = {JobKind.COMPLETION: CompletionRequest, JobKind.CHAT: ChatCompletionRequest}
+REQUEST_MODELS: dict[JobKind, type[CompletionRequest] | type[ChatCompletionRequest]] = {
+    JobKind.COMPLETION: CompletionRequest, JobKind.CHAT: ChatCompletionRequest}
 
 
 @dataclass(slots=True)
@@ -166,7 +167,9 @@ def _completion(request: CompletionRequest, include_usage: bool, max_n: int) -> 
         prompt = prompt[0]
     if isinstance(prompt, str) and not prompt:
         raise SchemaError("prompt must not be empty", "prompt")
-    text, token_ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
+    # NOTE: a list left here is token ids (a list of prompts was unwrapped above)
+    text, token_ids = ((prompt, None) if isinstance(prompt, str)
+                       else (None, cast(list[int], list(prompt))))
     max_tokens = request.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
     job = build_job_request(request, prompt=text, prompt_token_ids=token_ids, messages=None,
                             max_tokens=max_tokens, logprobs=request.logprobs, max_n=max_n)

@@ -33,9 +33,9 @@ import selectors
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 from tasks.streams.reader import Park
 from webapp.stream_socket import StreamSocket
@@ -183,7 +183,9 @@ class StreamServer:
             logger.debug("closing an event stream: %s", reason)
         if gen is not None:
             try:
-                gen.close()  # its finally clauses: leave the hub, cancel an OpenAI job
+                # its finally clauses: leave the hub, cancel an OpenAI job (the factories
+                # return generators)
+                cast(Generator[Any, None, None], gen).close()
             except Exception:
                 logger.exception("closing an event stream failed")
         with self._lock:

@@ -30,6 +30,7 @@ class StreamWorker(ThreadWorker):
     """gthread whose streaming responses are served by a `StreamServer`."""
 
     stream_server: StreamServer | None = None
+    alive: bool  # gunicorn's worker sets it; declared for the type checker
 
     def init_process(self) -> None:
         # NOTE: after the fork: the server's threads must live in the worker process

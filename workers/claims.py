@@ -152,7 +152,7 @@ class JobClaims:
         for row in rows:
             self.own(str(row.id), int(row.attempts))
         cancelled = self._cancel_requested([str(row.id) for row in rows])
-        return [ClaimedRow(*row, cancel_requested=str(row.id) in cancelled) for row in rows]
+        return [ClaimedRow._make((*row, str(row.id) in cancelled)) for row in rows]
 
     def _cancel_requested(self, job_ids: list[str]) -> set[str]:
         """Those of `job_ids` whose cancel flag is set (one round trip for all)."""
