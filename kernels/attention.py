@@ -19,6 +19,7 @@ One step mixes two kinds of work, both described by `AttentionMetadata`:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,10 @@ _MAX_PADDING = 1.25
 # (Zen 4, fp32: 64 decodes of 256 tokens padded in one 4 MiB gather 4.2 ms, per sequence
 # 1.7 ms; 64 of 64 tokens, 1 MiB: 0.28 ms padded, 1.3 ms per sequence.)
 _MAX_GROUP_GATHER_BYTES_CPU = 1024 * 1024
+
+# `DecodeBatch.grouping` (max_group_blocks, None for no limit; block_size; table lengths;
+# the tables end to end)
+_Grouping = tuple[int | None, int, list[int], list[int]]
 
 
 @dataclass(slots=True)
@@ -69,7 +74,7 @@ class DecodeBatch:
     # blocks in place (a backend's) never needs them
     # (max_group_blocks, block_size, each table's length, the tables end to end as a
     # host list: grouping reads no device tensor back)
-    grouping: tuple | None = None
+    grouping: _Grouping | None = None
     _groups: list[DecodeGroup] | None = None
     _singles: list[int] | None = None
 
@@ -89,7 +94,8 @@ class DecodeBatch:
         return self._singles  # type: ignore[return-value]
 
     def _group(self) -> None:
-        max_group_blocks, block_size, num_blocks, all_blocks = self.grouping
+        # set by `build_attention_metadata`, the maker of every batch whose groups are read
+        max_group_blocks, block_size, num_blocks, all_blocks = cast(_Grouping, self.grouping)
         groups, self._singles = _group_decodes(num_blocks, max_group_blocks)
         tables, start = [], 0
         for count in num_blocks:

@@ -24,7 +24,8 @@ def _cpuinfo() -> tuple[str, frozenset[str]]:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return platform.processor(), frozenset()
-    model, flags = "", frozenset()
+    model = ""
+    flags: frozenset[str] = frozenset()
     for line in text.splitlines():
         key, _, value = line.partition(":")
         key = key.strip()

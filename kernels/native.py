@@ -27,8 +27,9 @@ import logging
 import os
 import subprocess
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, ClassVar, cast
 
 import torch
 
@@ -124,8 +125,9 @@ class _Library:
             "decode_attention": [ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, i64, i64, ptr,
                                  ptr, ptr, flt, ptr, ctypes.c_int],
         }
-        # op name -> dtype -> function
-        self.ops: dict[str, dict[torch.dtype, ctypes._CFuncPtr]] = {}
+        # op name -> dtype -> function (ctypes function pointers: typeshed does not export
+        # their class, so they are typed as the callables they are)
+        self.ops: dict[str, dict[torch.dtype, Callable[..., Any]]] = {}
         for op, argtypes in signatures.items():
             self.ops[op] = {}
             for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
@@ -431,9 +433,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(x.shape, dtype=x.dtype)
     rows, inner = (x.shape[0], 1) if x.dim() == 2 else (x.shape[0], x.shape[1])
     inner_stride = 0 if x.dim() == 2 else x.stride(1)
-    _library().ops["rms_norm"][x.dtype](x.data_ptr(), rows, inner, x.shape[-1], x.stride(0),
-                                        inner_stride, weight.data_ptr(), eps, out.data_ptr(),
-                                        torch.get_num_threads())
+    _loaded().ops["rms_norm"][x.dtype](x.data_ptr(), rows, inner, x.shape[-1], x.stride(0),
+                                       inner_stride, weight.data_ptr(), eps, out.data_ptr(),
+                                       torch.get_num_threads())
     return out
 
 
@@ -446,10 +448,10 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
         return norms.fused_add_rms_norm(x, residual, weight, eps)
     out = torch.empty_like(x)
     summed = torch.empty_like(x)
-    _library().ops["add_rms_norm"][x.dtype](x.data_ptr(), residual.data_ptr(), x.shape[0],
-                                            x.shape[1], weight.data_ptr(), eps,
-                                            out.data_ptr(), summed.data_ptr(),
-                                            torch.get_num_threads())
+    _loaded().ops["add_rms_norm"][x.dtype](x.data_ptr(), residual.data_ptr(), x.shape[0],
+                                           x.shape[1], weight.data_ptr(), eps,
+                                           out.data_ptr(), summed.data_ptr(),
+                                           torch.get_num_threads())
     return out, summed
 
 
@@ -465,7 +467,7 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
             and cos.stride(1) == 1 and sin.stride(1) == 1 and cos.stride(0) == sin.stride(0)
             and q.shape[0] == k.shape[0] == cos.shape[0]):
         return rotary.apply_rotary(q, k, cos, sin)
-    fn = _library().ops["rotary"][q.dtype]
+    fn = _loaded().ops["rotary"][q.dtype]
     outs = []
     for x in (q, k):
         out = torch.empty(x.shape, dtype=x.dtype)
@@ -482,8 +484,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if not (_native_dtype(x) and x.dim() == 2 and x.is_contiguous() and x.shape[1] % 2 == 0):
         return activation.silu_and_mul(x)
     out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype)
-    _library().ops["silu_and_mul"][x.dtype](x.data_ptr(), x.shape[0], x.shape[1] // 2,
-                                            out.data_ptr(), torch.get_num_threads())
+    _loaded().ops["silu_and_mul"][x.dtype](x.data_ptr(), x.shape[0], x.shape[1] // 2,
+                                           out.data_ptr(), torch.get_num_threads())
     return out
 
 
@@ -505,7 +507,7 @@ def store_kv(k, v, k_cache, v_cache, slot_blocks, slot_offsets) -> None:
             and slot_blocks.numel() == slot_offsets.numel() == k.shape[0]):
         attention.store_kv(k, v, k_cache, v_cache, slot_blocks, slot_offsets)
         return
-    _library().ops["store_kv"][k.dtype](
+    _loaded().ops["store_kv"][k.dtype](
         k.data_ptr(), v.data_ptr(), k.shape[0], k.shape[1] * k.shape[2], k.stride(0),
         v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
         k_cache.stride(1), slot_blocks.data_ptr(), slot_offsets.data_ptr())
@@ -539,7 +541,7 @@ def _decode(q, k_cache, v_cache, decodes) -> torch.Tensor:
     q = q.contiguous()
     num_decodes, num_heads, head_dim = q.shape
     out = torch.empty_like(q)
-    failed = _library().ops["decode_attention"][q.dtype](
+    failed = _loaded().ops["decode_attention"][q.dtype](
         q.data_ptr(), num_decodes, num_heads, k_cache.shape[2], head_dim, k_cache.data_ptr(),
         v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         k_cache.shape[1], decodes.all_tables.data_ptr(), starts.data_ptr(), lens.data_ptr(),
@@ -559,6 +561,9 @@ def paged_attention(q, k, v, k_cache, v_cache, meta) -> torch.Tensor:
 
 
 class _DecoderShape(ctypes.Structure):
+    # annotated (every field a simple C type) because mypy joins the two lists' items to
+    # `type[object]`, which the stub's `_fields_` rejects
+    _fields_: ClassVar[Sequence[tuple[str, type[ctypes._SimpleCData[Any]]]]]
     _fields_ = [(name, ctypes.c_int64) for name in (
         "hidden", "heads", "kv_heads", "head_dim", "intermediate", "cache_block_stride",
         "cache_token_stride", "block_size")] + [("eps", ctypes.c_float),
@@ -595,7 +600,10 @@ class NativeDecoder:
                  panels: bool = False) -> None:
         library = _loaded()
         first = layers[0]
-        self.dtype = first["qkv"].dtype
+        # qkv, o, gate_up and down are required: the loop below raises for a None one (a None
+        # qkv of layer 0 fails first, at `.dtype`)
+        qkv = cast(torch.Tensor, first["qkv"])
+        self.dtype = qkv.dtype
         for layer in layers:
             for name in LAYER_PARTS:
                 t = layer.get(name)
@@ -611,16 +619,17 @@ class NativeDecoder:
         if panels and self.dtype != torch.float32:
             raise ValueError(f"panels hold fp32 weights, not {self.dtype}")
         # a weight [out, in] or its panels [ceil(out / width), in, width]: `in` is dim 1
-        hidden = first["qkv"].shape[1]
-        intermediate = first["down"].shape[1]
+        hidden = qkv.shape[1]
+        intermediate = cast(torch.Tensor, first["down"]).shape[1]
         qkv_rows = (heads + 2 * kv_heads) * head_dim
         if panels:
             width = library.panel_width
-            if any(layer[name].dim() != 3 or layer[name].shape[2] != width
-                   for layer in layers for name in ("qkv", "o", "gate_up", "down")):
+            projections = (cast(torch.Tensor, layer[name])
+                           for layer in layers for name in ("qkv", "o", "gate_up", "down"))
+            if any(w.dim() != 3 or w.shape[2] != width for w in projections):
                 raise ValueError(f"panels of width {width} needed")
             qkv_rows = -(-qkv_rows // width)
-        if first["qkv"].shape[0] != qkv_rows or heads % kv_heads:
+        if qkv.shape[0] != qkv_rows or heads % kv_heads:
             raise ValueError("qkv does not match the heads")
         self._library = library
         self._run = library.decode_layers[self.dtype]
@@ -733,7 +742,7 @@ class DecoderStopped(Exception):
 CHUNK_AS_DECODES_TOKENS = 64
 
 # the kernels `register` puts in `kernels.dispatch` for the CPU
-STEP_KERNELS = {
+STEP_KERNELS: dict[str, Callable[..., Any]] = {
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
     "apply_rotary": apply_rotary,

@@ -20,6 +20,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 logger = logging.getLogger(__name__)
 
@@ -139,14 +140,15 @@ def _train_tokenizer(out_dir: Path, vocab_size: int) -> tuple[dict[str, int], in
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out_dir)
-    ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
+    # never None: the trainer puts every special token in the vocabulary
+    ids = {t: cast(int, tokenizer.token_to_id(t)) for t in SPECIAL_TOKENS}
     return ids, tokenizer.get_vocab_size()
 
 
 def _hf_config(arch: str, p: Preset, ids: dict[str, int], tie: bool, rope_scaling: bool):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-    common = {
+    common: dict[str, Any] = {
         "hidden_size": p.hidden_size,
         "num_hidden_layers": p.num_layers,
         "num_attention_heads": p.num_heads,
@@ -161,14 +163,17 @@ def _hf_config(arch: str, p: Preset, ids: dict[str, int], tie: bool, rope_scalin
         "pad_token_id": ids["<|endoftext|>"],
         "initializer_range": p.init_std,
     }
+    # rope_theta: a keyword of the transformers 4.x configs that 5.x still takes (folding it
+    # into rope_parameters) but leaves out of its configs' typed signatures
     if arch == "qwen3":
-        return Qwen3Config(head_dim=p.head_dim, rope_theta=1_000_000.0, **common)
+        return Qwen3Config(head_dim=p.head_dim, rope_theta=1_000_000.0,  # type: ignore[call-arg]
+                           **common)
     if arch == "qwen2":
         if p.hidden_size != p.num_heads * p.head_dim:
             raise ValueError("qwen2 derives head_dim from hidden_size / num_heads")
-        return Qwen2Config(rope_theta=1_000_000.0, **common)
+        return Qwen2Config(rope_theta=1_000_000.0, **common)  # type: ignore[call-arg]
     if arch == "llama":
-        extra = {}
+        extra: dict[str, Any] = {}
         if rope_scaling:
             extra["rope_scaling"] = {
                 "rope_type": "llama3",
@@ -178,7 +183,8 @@ def _hf_config(arch: str, p: Preset, ids: dict[str, int], tie: bool, rope_scalin
                 # small so the scaled band covers frequencies the tests exercise
                 "original_max_position_embeddings": 64,
             }
-        return LlamaConfig(head_dim=p.head_dim, rope_theta=500_000.0, **common, **extra)
+        return LlamaConfig(head_dim=p.head_dim, rope_theta=500_000.0,  # type: ignore[call-arg]
+                           **common, **extra)
     raise ValueError(f"unknown arch {arch!r}; choose one of {sorted(ARCHITECTURES)}")
 
 
@@ -284,7 +290,7 @@ def _write_checkpoint(out: Path, arch: str, p: Preset, preset: str, seed: int, d
     step = f"saving {num_params / 1e6:.1f}M parameters ({dtype})"
     logger.info("%s", step)
     progress(step)
-    save_kwargs = {"safe_serialization": True}
+    save_kwargs: dict[str, Any] = {"safe_serialization": True}
     if max_shard_size is not None:
         save_kwargs["max_shard_size"] = max_shard_size
     model.save_pretrained(out, **save_kwargs)

@@ -11,6 +11,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -32,6 +33,9 @@ from workers.engine.models.layers import (
 )
 from workers.engine.startup_timings import StartupTimings, TimingsCache
 from workers.engine.step_io import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
+
+if TYPE_CHECKING:
+    from workers.engine.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +83,8 @@ class ModelRunner:
         (`kernels.linear.choose_plan`); None: `LLMQ_LINEAR_PATH` (default `auto`).
         `self.linear_path` says which path runs."""
         self.loaded = loaded
-        self.model = loaded.model
+        # every model of the registry is one (LoadedCheckpoint types it as any nn.Module)
+        self.model = cast("LlamaForCausalLM", loaded.model)
         config = loaded.config
         self.device = next(self.model.parameters()).device
         self.dtype = config.dtype
@@ -144,7 +149,7 @@ class ModelRunner:
                 if cached is not None:
                     logger.info("start-up timings read from %s (an earlier start of this "
                                 "model on this machine; LLMQ_TIMINGS_CACHE=off times again)",
-                                self.timings_cache.path)
+                                cast(TimingsCache, self.timings_cache).path)  # cached came from it
             plan = (self._probe_linear_path(weights, cached) if path == "auto"
                     else fixed_plan(path))
             self._apply_linear_plan(plan)
@@ -601,7 +606,8 @@ def available_memory() -> int | None:
 
 def _fastest(times: dict[int, float]) -> int | None:
     """The choice of least time (None: nothing was timed)."""
-    return min(times, key=times.get) if times else None
+    # (`get` is typed float | None: every key has a value)
+    return min(times, key=cast(Callable[[int], float], times.get)) if times else None
 
 
 def _keep_fastest(cached: dict[int, float] | None, measure: Callable[[], dict[int, float]],
@@ -612,7 +618,7 @@ def _keep_fastest(cached: dict[int, float] | None, measure: Callable[[], dict[in
     started = time.perf_counter()
     times = cached if cached is not None else measure()
     if times:
-        keep(_fastest(times))
+        keep(cast(int, _fastest(times)))  # (times is not empty)
         if cached is None:
             logger.info("one-row passes %s (ms, in %.1f s): %s; keeping %d", what,
                         time.perf_counter() - started,

@@ -37,6 +37,7 @@ import logging
 from array import array
 from dataclasses import dataclass
 from itertools import chain
+from typing import cast
 
 import torch
 
@@ -333,14 +334,16 @@ def _sample_random_rows(scores: torch.Tensor, m: SamplingMetadata, owned: bool) 
 
     if not m.filtered:
         sampled = kernels.sample_by_cdf(x.softmax(dim=-1), u)
-    elif not m.unfiltered:
-        sampled = kernels.top_k_top_p_sample(x, m.top_k, m.top_p, u, m.num_candidates)
+    elif not m.unfiltered:  # (top_k and top_p are set while a row is filtered)
+        sampled = kernels.top_k_top_p_sample(x, cast(torch.Tensor, m.top_k),
+                                             cast(torch.Tensor, m.top_p), u, m.num_candidates)
     else:
         plain, filtered = m.unfiltered, m.filtered
         sampled = torch.empty(len(rows), dtype=torch.long, device=scores.device)
         sampled[plain] = kernels.sample_by_cdf(x[plain].softmax(dim=-1), u[plain])
-        sampled[filtered] = kernels.top_k_top_p_sample(x[filtered], m.top_k, m.top_p,
-                                                       u[filtered], m.num_candidates)
+        sampled[filtered] = kernels.top_k_top_p_sample(
+            x[filtered], cast(torch.Tensor, m.top_k), cast(torch.Tensor, m.top_p),
+            u[filtered], m.num_candidates)
     if token_ids is None:
         return sampled
     token_ids[rows] = sampled

@@ -9,6 +9,7 @@ place in `forward` (all-reduce after a row-parallel matmul, all-gather of logits
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,11 @@ def _attach(param: nn.Parameter, loader: Callable) -> nn.Parameter:
 
 
 class LinearBase(nn.Module):
+    # set by `_no_panels`, the panels as a buffer (declared for the type checker only: a
+    # class value would clash with `register_buffer`)
+    panel_weight: torch.Tensor | None
+    panel_features: int
+
     def __init__(self, in_features: int, out_features: int, bias: bool,
                  tp_size: int = 1, tp_rank: int = 0) -> None:
         super().__init__()
@@ -125,9 +131,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(in_features, sum(output_sizes), bias, tp_size, tp_rank)
 
-    def _rows(self, shard_id: int) -> tuple[int, int]:
-        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        return offset, self.output_sizes[shard_id] // self.tp_size
+    def _rows(self, shard_id: int | str) -> tuple[int, int]:
+        # a merged projection's parts are numbered (QKVParallelLinear's override: named)
+        index = cast(int, shard_id)
+        offset = sum(self.output_sizes[:index]) // self.tp_size
+        return offset, self.output_sizes[index] // self.tp_size
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: int | str | None = None) -> None:
@@ -154,7 +162,9 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         super().__init__(hidden_size, sizes, bias, tp_size, tp_rank)
 
     def _rows(self, shard_id: int | str) -> tuple[int, int]:
-        return super()._rows({"q": 0, "k": 1, "v": 2}[shard_id])
+        # keyed by any shard id for the type checker: a number is a KeyError
+        parts: dict[int | str, int] = {"q": 0, "k": 1, "v": 2}
+        return super()._rows(parts[shard_id])
 
 
 class RowParallelLinear(LinearBase):
@@ -183,6 +193,9 @@ class RowParallelLinear(LinearBase):
 
 class VocabParallelEmbedding(nn.Module):
     """Token embedding with the vocabulary split across ranks."""
+
+    # a buffer registered in `__init__` (declared for the type checker only)
+    lookup_panels: torch.Tensor | None
 
     def __init__(self, vocab_size: int, hidden_size: int, tp_size: int = 1,
                  tp_rank: int = 0) -> None:
@@ -234,6 +247,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     packed_weight: torch.Tensor | None = None
     plain_rows = 0  # calls of at most this many rows take the plain weight (a split)
     skinny_rows = 0  # calls of at most this many rows take the native kernel
+    # as for `LinearBase` (`_no_panels`; declared for the type checker only)
+    panel_weight: torch.Tensor | None
+    panel_features: int
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -381,8 +397,8 @@ def drop_unused_plain_weights(model: nn.Module) -> int:
         if weight is None or len(tied) != len(others) or len(tied) > 1:
             continue
         if head.drop_plain_weight():
-            for embedding in tied:
-                embedding.look_up_in_panels(head.panel_weight)
+            for embedding in tied:  # (a head that dropped its weight has panels)
+                embedding.look_up_in_panels(cast(torch.Tensor, head.panel_weight))
             dropped += 1
     return dropped
 

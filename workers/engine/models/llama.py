@@ -7,8 +7,8 @@ hands its new K/V and the step's `AttentionMetadata` to the kernels.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import ClassVar
+from collections.abc import Callable, Iterable
+from typing import ClassVar, cast
 
 import torch
 from torch import nn
@@ -50,6 +50,9 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """cos/sin of every position up to max_position_embeddings, looked up per token."""
 
+    # a buffer registered in `__init__` (declared for the type checker only)
+    cos_sin: torch.Tensor
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
@@ -79,7 +82,9 @@ class LlamaAttention(nn.Module):
             config.num_heads * config.head_dim, config.hidden_size,
             bias=False, tp_size=tp_size, tp_rank=tp_rank,
         )
-        self.q_norm = self.k_norm = None
+        # both set or both None
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
@@ -93,7 +98,7 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
-            k = self.k_norm(k)
+            k = cast(RMSNorm, self.k_norm)(k)  # set with q_norm
         q, k = kernels.apply_rotary(q, k, cos, sin)
         k_cache = meta.kv_cache[:, 0, self.layer_idx]
         v_cache = meta.kv_cache[:, 1, self.layer_idx]
@@ -177,10 +182,11 @@ class LlamaModel(nn.Module):
         layer loop stays). Call once the linear plan is applied."""
         self.native_decoder = None
         rows = max_rows
-        layers = []
-        eps = {self.layers[0].input_layernorm.eps}
+        layers: list[dict[str, torch.Tensor | None]] = []
+        # (the layers' type: a ModuleList's items are typed nn.Module)
+        eps = {cast(LlamaDecoderLayer, self.layers[0]).input_layernorm.eps}
         panels: set[bool] = set()
-        for layer in self.layers:
+        for layer in cast(Iterable[LlamaDecoderLayer], self.layers):
             attn, mlp = layer.self_attn, layer.mlp
             projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             # the row-parallel layers add a bias after the product, rounded apart
@@ -192,7 +198,7 @@ class LlamaModel(nn.Module):
             panels.update(p.panel_weight is not None for p in projections)
             norms = [layer.input_layernorm, layer.post_attention_layernorm]
             if attn.q_norm is not None:
-                norms += [attn.q_norm, attn.k_norm]
+                norms += [attn.q_norm, cast(RMSNorm, attn.k_norm)]  # set with q_norm
             eps.update(n.eps for n in norms)
             weight = {p: p.weight if p.panel_weight is None else p.panel_weight
                       for p in projections}
@@ -207,7 +213,7 @@ class LlamaModel(nn.Module):
         # every projection on its panels, or none (the decoder takes one layout)
         if rows < 1 or len(eps) != 1 or len(panels) != 1:
             return 0
-        attn = self.layers[0].self_attn
+        attn = cast(LlamaDecoderLayer, self.layers[0]).self_attn
         try:
             self.native_decoder = native.NativeDecoder(
                 layers, heads=attn.num_heads, kv_heads=attn.num_kv_heads,

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing.connection import wait
-from typing import Any
+from typing import Any, cast
 
 from workers.engine.parallel.launch import (
     TensorParallelError,
@@ -152,7 +152,8 @@ class TensorParallelRunner:
     @property
     def rank_pids(self) -> list[int]:
         """Process id of each rank; rank 0 is this process."""
-        return [os.getpid(), *(proc.pid for proc in self._procs)]
+        # (a process has its pid once started: spawn_ranks starts them)
+        return [os.getpid(), *(cast(int, proc.pid) for proc in self._procs)]
 
     @property
     def failure(self) -> str | None:

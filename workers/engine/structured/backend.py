@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 
@@ -69,7 +69,7 @@ class XgrammarBackend:
             if kind is StructuredKind.JSON:
                 xgrammar.Grammar.from_json_schema(spec.schema_text(), any_whitespace=False)
             elif kind is StructuredKind.REGEX:
-                xgrammar.Grammar.from_regex(spec.regex)
+                xgrammar.Grammar.from_regex(cast(str, spec.regex))  # set: kind REGEX
             elif kind in (StructuredKind.GRAMMAR, StructuredKind.CHOICE):
                 xgrammar.Grammar.from_ebnf(_ebnf(spec))
         except Exception as exc:  # xgrammar raises RuntimeError with the parser's message
