@@ -109,7 +109,12 @@ def worker_env(settings: Settings, **extra: str) -> dict[str, str]:
 
 
 class WorkerProcess:
-    """A real `python -m workers.main` process; its log goes to `log_path`."""
+    """A real `python -m workers.main` process; its log goes to `log_path`.
+
+    Its batcher keeps the default priority (`LLMQ_BATCHER_NICE=0`) unless `extra_env` says
+    otherwise: test workers share the host with the other test process and with each
+    other, and the fault tests' timings (a job seen generating is still running when a
+    fault lands) hold for batchers that do not run ahead of the database process."""
 
     def __init__(self, settings: Settings, group_id: str, log_dir: Path, *,
                  model: str = "tiny", args: list[str] | None = None,
@@ -122,7 +127,8 @@ class WorkerProcess:
                    "--group-id", group_id, "--heartbeat-seconds", "0.5", *(args or [])]
         self._log = open(self.log_path, "wb")
         self.process = subprocess.Popen(command, cwd=REPO,
-                                        env=worker_env(settings, **(extra_env or {})),
+                                        env=worker_env(settings, **{
+                                            "LLMQ_BATCHER_NICE": "0", **(extra_env or {})}),
                                         stdout=self._log, stderr=subprocess.STDOUT)
 
     def heartbeat(self, redis: Any) -> dict[str, Any] | None:
@@ -171,13 +177,12 @@ def thread_nice(pid: int, name: str) -> int:
     raise AssertionError(f"process {pid} has no thread named {name!r}")
 
 
-def expected_batcher_nice(engine_threads: int, worker_pid: int) -> int:
-    """The nice value a worker's batcher should run at under the default setting: its
-    rule (workers/thread_priority.py), where this user may raise a thread's priority."""
+def expected_batcher_nice(requested: int, engine_threads: int, worker_pid: int) -> int:
+    """The nice value a worker's batcher should run at with `LLMQ_BATCHER_NICE=requested`:
+    its rule (workers/thread_priority.py), where this user may raise a thread's priority."""
     from workers.thread_priority import batcher_nice, set_this_thread_nice
 
-    wanted, _ = batcher_nice(Settings.model_fields["batcher_nice"].default, engine_threads,
-                             len(os.sched_getaffinity(worker_pid)))
+    wanted, _ = batcher_nice(requested, engine_threads, len(os.sched_getaffinity(worker_pid)))
     allowed: list[bool] = []
     probe = threading.Thread(target=lambda: allowed.append(set_this_thread_nice(-1)))
     probe.start()

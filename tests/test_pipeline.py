@@ -12,6 +12,7 @@ import requests
 from tasks.celery_app import create_celery
 from tasks.maintenance import reclaim_expired_leases
 from tasks.models import JobStatus
+from tasks.settings import Settings
 from tests.pipeline_helpers import (
     WorkerProcess,
     expected_batcher_nice,
@@ -51,11 +52,16 @@ def offline_llm(service_settings):
                kv_cache_bytes=16 * 1024 * 1024)
 
 
-def test_the_batcher_runs_ahead_where_the_engine_leaves_cores(group_a):
+def test_the_batcher_runs_ahead_where_the_engine_leaves_cores(service_settings, redis_client,
+                                                              tmp_path_factory):
     """One torch thread: on a host of two cores or more the batcher takes the raised
     priority (where this user may raise one)."""
-    assert thread_nice(group_a.process.pid, BATCHER_THREAD) == expected_batcher_nice(
-        1, group_a.process.pid)
+    nice = Settings.model_fields["batcher_nice"].default  # what a deployment runs with
+    with running_worker(service_settings, redis_client, tmp_path_factory.mktemp("workers"),
+                        "nice", args=WORKER_ARGS,
+                        extra_env={"LLMQ_BATCHER_NICE": str(nice)}) as worker:
+        assert thread_nice(worker.process.pid, BATCHER_THREAD) == expected_batcher_nice(
+            nice, 1, worker.process.pid)
 
 
 def test_stream_equals_stored_output_equals_offline(base_url, group_a, session_factory,
@@ -144,13 +150,18 @@ def test_a_killed_group_loses_no_job(base_url, group_a, service_settings, redis_
                            tmp_path_factory.mktemp("workers"), args=WORKER_ARGS)
     try:
         victim.wait_ready(redis_client)
-        jobs = [submit(base_url, prompt=f"survive {i}", **LONG) for i in range(12)]
+        # long enough that a job seen generating is still running when the kill lands, on
+        # a victim whose steps run ahead of the host's other threads
+        jobs = [submit(base_url, prompt=f"survive {i}", **{**LONG, "max_tokens": 2000})
+                for i in range(12)]
         ids = [job["id"] for job in jobs]
-        wait_for(lambda: any(read_job(session_factory, i).worker == victim.group_id
-                             and read_job(session_factory, i).first_token_at for i in ids),
-                 60, "a job generating on the victim")
-        on_victim = [i for i in ids if read_job(session_factory, i).worker == victim.group_id
-                     and read_job(session_factory, i).status == JobStatus.RUNNING.value]
+
+        def generating_on_victim() -> list[str] | None:
+            rows = {i: read_job(session_factory, i) for i in ids}
+            return [i for i, row in rows.items() if row.worker == victim.group_id
+                    and row.status == JobStatus.RUNNING.value and row.first_token_at] or None
+
+        on_victim = wait_for(generating_on_victim, 60, "a job generating on the victim")
         victim.kill()
     finally:
         victim.kill()
