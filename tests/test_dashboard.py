@@ -111,7 +111,8 @@ def test_dashboard_api_filters_and_pages(base_url, session_factory):
 
 def test_submitted_job_appears_without_reload(tab, worker, session_factory):
     tab.open()
-    tab.page.wait_for_selector("#jobs-body tr")
+    # the first listing rendered: its rows, or its note that no job matches (run alone)
+    tab.page.wait_for_selector("#jobs-body tr, #jobs-empty:not([hidden])")
     tab.page.evaluate("window.__notReloaded = true")
     job = submit(tab.base_url, prompt="appears live", max_tokens=8, temperature=0.0)
     row = _row(tab, job["id"])
