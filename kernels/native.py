@@ -600,9 +600,11 @@ class NativeDecoder:
                  panels: bool = False) -> None:
         library = _loaded()
         first = layers[0]
-        # qkv, o, gate_up and down are required: the loop below raises for a None one (a None
-        # qkv of layer 0 fails first, at `.dtype`)
-        qkv = cast(torch.Tensor, first["qkv"])
+        # qkv, o, gate_up and down are required (the loop below checks every layer's);
+        # layer 0's qkv gives the dtype the others must have
+        qkv = first.get("qkv")
+        if qkv is None:
+            raise ValueError("qkv: a contiguous CPU tensor needed")
         self.dtype = qkv.dtype
         for layer in layers:
             for name in LAYER_PARTS:

@@ -878,6 +878,21 @@ def test_the_native_decoder_gives_its_step_up_when_its_stop_flag_is_set(tiny_qwe
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
+def test_the_native_decoder_refuses_layers_without_a_required_part():
+    """A layer without one of the parts every layer needs is a ValueError naming it (the
+    model then keeps its layer loop), layer 0's qkv included."""
+    hidden, heads, head_dim, inter = 32, 4, 8, 64
+    full: dict[str, torch.Tensor | None] = {
+        "input_norm": torch.ones(hidden), "qkv": torch.zeros(3 * heads * head_dim, hidden),
+        "o": torch.zeros(hidden, heads * head_dim), "post_norm": torch.ones(hidden),
+        "gate_up": torch.zeros(2 * inter, hidden), "down": torch.zeros(hidden, inter)}
+    for name in ("qkv", "o", "down"):
+        layer = {**full, name: None}
+        with pytest.raises(ValueError, match=name):
+            native.NativeDecoder([layer], heads=heads, kv_heads=heads, head_dim=head_dim,
+                                 eps=1e-6, max_rows=4)
+
+
 def test_without_a_home_directory_the_native_kernel_is_left_out(monkeypatch, caplog):
     """A user without a home directory (an unnamed uid in a container) and no
     LLMQ_KERNEL_CACHE: the kernel is not built anywhere else (a shared directory could
