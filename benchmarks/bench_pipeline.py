@@ -52,7 +52,7 @@ from kernels.cpu import describe as describe_cpu  # noqa: E402
 from tasks.protocol import groups_key  # noqa: E402
 from tasks.redis_client import make_redis  # noqa: E402
 from tasks.settings import Settings  # noqa: E402
-from tests.pipeline_helpers import worker_env  # noqa: E402
+from tests.pipeline_helpers import process_threads, worker_env  # noqa: E402
 from workers.batcher import THREAD_NAME as BATCHER_THREAD  # noqa: E402
 
 WORKER_CLASSES = {"stream": "webapp.stream_worker.StreamWorker", "gthread": "gthread",
@@ -203,22 +203,6 @@ class Services:
         drop_scratch(self.scratch)
 
 
-def _threads(pid: int):
-    """(name, /proc task directory, stat fields after the name) of each live thread of
-    process `pid`; nothing where /proc is missing."""
-    try:
-        tasks = list(Path(f"/proc/{pid}/task").iterdir())
-    except OSError:
-        return
-    for task in tasks:
-        try:
-            stat = (task / "stat").read_text()
-        except OSError:
-            continue  # the thread ended
-        yield (stat[stat.index("(") + 1:stat.rindex(")")], task,
-               stat[stat.rindex(")") + 2:].split())
-
-
 def thread_cpu(pid: int, totals: dict[str, float] | None = None) -> dict[str, float]:
     """CPU seconds so far of each named thread of process `pid` and of its child processes
     (the worker's database process) (Linux; the worker names its threads,
@@ -226,7 +210,7 @@ def thread_cpu(pid: int, totals: dict[str, float] | None = None) -> dict[str, fl
     ticks = os.sysconf("SC_CLK_TCK")
     totals = {} if totals is None else totals
     children: list[int] = []
-    for name, task, fields in _threads(pid):
+    for name, task, fields in process_threads(pid):
         try:
             children += [int(c) for c in (task / "children").read_text().split()]
         except OSError:
@@ -247,7 +231,7 @@ def thread_waits(pid: int, name: str) -> float:
     run into waiting for a core (the service's other processes on the same cores) and
     asleep (for the GIL, for work, for I/O)."""
     total = 0
-    for thread_name, task, _ in _threads(pid):
+    for thread_name, task, _ in process_threads(pid):
         if thread_name != name:
             continue
         try:

@@ -168,12 +168,27 @@ class WorkerProcess:
         return self.process.returncode
 
 
+def process_threads(pid: int) -> Iterator[tuple[str, Path, list[str]]]:
+    """(name, /proc task directory, stat fields after the name) of each live thread of
+    process `pid`; nothing where /proc is missing."""
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return
+    for task in tasks:
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue  # the thread ended
+        yield (stat[stat.index("(") + 1:stat.rindex(")")], task,
+               stat[stat.rindex(")") + 2:].split())
+
+
 def thread_nice(pid: int, name: str) -> int:
     """The nice value of process `pid`'s thread named `name` (Linux: /proc)."""
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        if (task / "comm").read_text().strip() == name:
-            # the fields after the command's closing parenthesis; nice is the stat's 19th
-            return int((task / "stat").read_text().rpartition(")")[2].split()[16])
+    for thread_name, _, fields in process_threads(pid):
+        if thread_name == name:
+            return int(fields[16])  # the stat's 19th field
     raise AssertionError(f"process {pid} has no thread named {name!r}")
 
 
