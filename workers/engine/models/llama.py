@@ -96,9 +96,9 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # (set together)
             q = self.q_norm(q)
-            k = cast(RMSNorm, self.k_norm)(k)  # set with q_norm
+            k = self.k_norm(k)
         q, k = kernels.apply_rotary(q, k, cos, sin)
         k_cache = meta.kv_cache[:, 0, self.layer_idx]
         v_cache = meta.kv_cache[:, 1, self.layer_idx]
