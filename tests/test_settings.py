@@ -47,6 +47,12 @@ def test_from_env_parses_types_and_names_the_bad_variable():
     for bad in ("-0.01", "1.5", "1e9", "nan", "soon"):
         with pytest.raises(ValueError, match="LLMQ_STREAM_INTERVAL_SECONDS"):
             Settings.from_env({"LLMQ_STREAM_INTERVAL_SECONDS": bad})
+    # the batcher's nice value: Linux's range, -20 to 19; anything else is refused at start
+    assert Settings.from_env({"LLMQ_BATCHER_NICE": "-20"}).batcher_nice == -20
+    assert Settings.from_env({}).batcher_nice == -20
+    for bad in ("-21", "20", "99999999999", "0.5", "high"):
+        with pytest.raises(ValueError, match="LLMQ_BATCHER_NICE"):
+            Settings.from_env({"LLMQ_BATCHER_NICE": bad})
     # a running batch's shared figures: 0 (a pass at every read) up to a minute
     assert Settings.from_env(
         {"LLMQ_BATCH_PROGRESS_CACHE_SECONDS": "0"}).batch_progress_cache_seconds == 0
