@@ -13,13 +13,17 @@ step) alone and beside a synthetic load in another process:
 * `python`: a Python loop building and dropping dicts of strings (allocations and
   pointer chasing, like a web or database process);
 * `python, half the time`: the same, 2 ms on and 2 ms off;
-* `memory`: numpy summing a 256 MB array (memory bandwidth).
+* `memory`: numpy summing a 256 MB array (memory bandwidth);
+* `a spinning core`: `while True: pass` (no memory traffic at all: what is left is what
+  the two cores share below their caches, such as a hypervisor's SMT siblings or a
+  common clock).
 
 Each load is started, given time to settle, and killed after its round; the kinds
 alternate within every round, so drift in the machine's speed hits them alike. The
 figure is the engine thread's CPU time per step (not wall time: a load that takes the
-engine's core away is not what is measured), its median over the rounds and its ratio to
-the median with nothing beside it.
+engine's core away is not what is measured), its median over the rounds, its ratio to
+the median with nothing beside it, and the median of its ratios to the same round's
+engine alone (a machine whose speed drifts between rounds moves the first ratio more).
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ LOADS = {
         "            d[i] = str(i)\n        d.clear()\n    time.sleep(0.002)\n"),
     "memory": "import numpy as np\nx = np.ones(256_000_000, dtype=np.uint8)\n"
               "while True:\n    x.sum()\n",
+    "a spinning core": "while True:\n    pass\n",
 }
 SETTLE_SECONDS = 0.7  # a load's start-up (imports, the array) before the engine runs
 
@@ -93,12 +98,15 @@ def main(argv: list[str] | None = None) -> int:
     alone = statistics.median(figures["nothing"])
     print(f"\n{describe()}; {args.preset} qwen3, {args.num_lines} requests x "
           f"{args.max_tokens} tokens a measurement, {args.rounds} rounds\n")
-    print("| beside the engine | engine CPU per step, median (rounds) | / alone |")
-    print("| --- | --- | --- |")
+    print("| beside the engine | engine CPU per step, median (rounds) | / alone | / alone in "
+          "the same round, median (rounds) |")
+    print("| --- | --- | --- | --- |")
     for name, values in figures.items():
         median = statistics.median(values)
+        within = [v / a for v, a in zip(values, figures["nothing"])]
         print(f"| {name} | {median:.2f} ms ({', '.join(f'{v:.2f}' for v in values)}) | "
-              f"{median / alone:.3f}x |")
+              f"{median / alone:.3f}x | {statistics.median(within):.3f}x "
+              f"({', '.join(f'{r:.2f}' for r in within)}) |")
     return 0
 
 
