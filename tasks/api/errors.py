@@ -66,6 +66,9 @@ class SchemaError(ValueError):
         errors = exc.errors()
         error = errors[0]
         loc = tuple(error["loc"])
+        refused = _refused_content(errors)
+        if refused is not None:
+            error, loc = refused, tuple(p for p in refused["loc"] if _is_path_part(p))
         path, whole = _param(loc)
         result = cls._describe(error, loc, path, whole, model)
         # NOTE: like InvalidParamError's: the message names the element (`stop[2]`), the
@@ -119,19 +122,33 @@ def _field_of(path: str) -> str:
     return re.sub(r"\[\d+\]$", "", path)
 
 
+def _is_path_part(part: Any) -> bool:
+    """A field name or an index, not a union's shape tag (`list[int]`, `str`)."""
+    return isinstance(part, int) or (isinstance(part, str) and bool(_NAME.match(part))
+                                     and part not in ("str", "int", "list", "float"))
+
+
 def _param(loc: tuple[Any, ...]) -> tuple[str, bool]:
     """(`messages[0].content`, whether the whole path was field names and indexes; a
     union's shape tag such as `list[int]` ends it)."""
     param = ""
-    for i, part in enumerate(loc):
-        if isinstance(part, int):
-            param += f"[{part}]"
-        elif isinstance(part, str) and _NAME.match(part) and part not in ("str", "int",
-                                                                           "list", "float"):
-            param += ("." if param else "") + part
-        else:
+    for part in loc:
+        if not _is_path_part(part):
             return param, False
+        param += f"[{part}]" if isinstance(part, int) else ("." if param else "") + part
     return param, True
+
+
+def _refused_content(errors: list[Any]) -> Any | None:
+    """When every shape of a union failed (the first error's path ends in a shape tag),
+    the error of a shape that took the value's type and refused what it holds (a prompt
+    string with a NUL in it): it says what is wrong, where the other shapes' errors only
+    say the type differs. None otherwise."""
+    path, whole = _param(tuple(errors[0]["loc"]))
+    if whole:
+        return None
+    return next((error for error in errors if error["type"] == "value_error"
+                 and _param(tuple(error["loc"])) == (path, False)), None)
 
 
 def _json_type(value: Any) -> str:

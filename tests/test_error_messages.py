@@ -1,0 +1,62 @@
+"""The messages of refused request fields (`tasks.api.errors.SchemaError`): a field of
+several shapes whose value has the right type but unusable content says what is wrong
+with it, not only which shapes it may take."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from tasks.api.errors import SchemaError
+from tasks.api.openai import ChatCompletionRequest, CompletionRequest
+
+SURROGATE = "must not contain unpaired surrogate code points"
+NUL = "must not contain NUL"
+
+
+def _refusal(model, body) -> SchemaError:
+    with pytest.raises(ValidationError) as caught:
+        model.model_validate(body)
+    return SchemaError.from_validation(caught.value, model)
+
+
+@pytest.mark.parametrize(("model", "body", "starts", "param"), [
+    (CompletionRequest, {"model": "m", "prompt": "lone \ud800"}, f"prompt {SURROGATE}",
+     "prompt"),
+    (CompletionRequest, {"model": "m", "prompt": "a\x00b"}, f"prompt {NUL}", "prompt"),
+    (CompletionRequest, {"model": "m", "prompt": ["\udfff"]}, f"prompt[0] {SURROGATE}",
+     "prompt"),
+    (CompletionRequest, {"model": "m", "prompt": "x", "stop": "\ud800"}, f"stop {SURROGATE}",
+     "stop"),
+    (CompletionRequest, {"model": "m", "prompt": "x", "stop": ["ok", "a\x00"]},
+     f"stop[1] {NUL}", "stop"),
+    (ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "\x00"}]},
+     f"messages[0].content {NUL}", "messages[0].content"),
+    (ChatCompletionRequest, {"model": "m", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "hi \ud800"}]}]},
+     f"messages[0].content[0].text {SURROGATE}", "messages[0].content[0].text"),
+])
+def test_text_of_the_right_type_with_unusable_content_says_what_is_wrong(
+        model, body, starts, param) -> None:
+    error = _refusal(model, body)
+    assert error.message.startswith(starts), error.message
+    assert error.param == param
+    error.message.encode("utf-8")  # stored and logged: no lone surrogate of the input
+
+
+@pytest.mark.parametrize(("model", "body", "message", "param"), [
+    (CompletionRequest, {"model": "m", "prompt": 5},
+     "prompt must be a string or a list of token ids (or a one-element list of either)",
+     "prompt"),
+    (CompletionRequest, {"model": "m", "prompt": [1, "2"]},
+     "prompt must be a string or a list of token ids (or a one-element list of either)",
+     "prompt"),
+    (CompletionRequest, {"model": "m", "prompt": "x", "stop": 3},
+     "stop must be a string or a list of strings", "stop"),
+    (ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": 5}]},
+     'messages[0].content must be a string or a list of text parts ({"type": "text", '
+     '"text": ...})', "messages[0].content"),
+])
+def test_a_value_no_shape_takes_is_told_the_shapes(model, body, message, param) -> None:
+    error = _refusal(model, body)
+    assert (error.message, error.param) == (message, param)
