@@ -60,3 +60,16 @@ def test_text_of_the_right_type_with_unusable_content_says_what_is_wrong(
 def test_a_value_no_shape_takes_is_told_the_shapes(model, body, message, param) -> None:
     error = _refusal(model, body)
     assert (error.message, error.param) == (message, param)
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({"model": "m", "prompt": "x", "max_tokens": 1e9},
+     "max_tokens must be an integer, got 1000000000.0"),
+    ({"model": "m", "prompt": "x", "max_tokens": 2.5}, "max_tokens must be an integer, got 2.5"),
+    ({"model": "m", "prompt": "x", "top_p": float("inf")},
+     "top_p must be a finite number, got inf"),
+    ({"model": "m", "prompt": "x", "max_tokens": "8"},
+     "max_tokens must be an integer, got a string"),
+])
+def test_a_number_of_the_wrong_kind_is_shown(body, message) -> None:
+    assert _refusal(CompletionRequest, body).message == message

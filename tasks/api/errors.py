@@ -96,7 +96,9 @@ class SchemaError(ValueError):
                 allowed = "; allowed fields: " + ", ".join(sorted(model.model_fields))
             return cls(f"unknown field {name!r}{allowed}", name if len(loc) == 1 else param)
         if kind in _EXPECTED:
-            return cls(f"{param} must be {_EXPECTED[kind]}, got {_json_type(value)}", param)
+            # a number of the wrong kind (1e9 for an integer, an infinity) is shown itself
+            got = _show(value) if isinstance(value, float) else _json_type(value)
+            return cls(f"{param} must be {_EXPECTED[kind]}, got {got}", param)
         if kind == "literal_error":
             return cls(f"{param} must be {ctx.get('expected')}, got {_show(value)}", param)
         if kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
