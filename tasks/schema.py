@@ -72,7 +72,7 @@ def validate_body(model: type[BodyModel], body: Any) -> BodyModel:
     try:
         return model.model_validate(body)
     except ValidationError as exc:
-        raise SchemaError.from_validation(exc, model) from None
+        raise SchemaError.from_validation(exc, model, body) from None
 
 
 def parse_job_request(body: Any, *, max_n: int) -> JobRequest:

@@ -9,6 +9,7 @@ from pydantic import ValidationError
 
 from tasks.api.errors import SchemaError
 from tasks.api.openai import ChatCompletionRequest, CompletionRequest
+from tasks.schema import validate_body
 
 SURROGATE = "must not contain unpaired surrogate code points"
 NUL = "must not contain NUL"
@@ -73,3 +74,52 @@ def test_a_value_no_shape_takes_is_told_the_shapes(model, body, message, param) 
 ])
 def test_a_number_of_the_wrong_kind_is_shown(body, message) -> None:
     assert _refusal(CompletionRequest, body).message == message
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+
+
+@pytest.mark.parametrize(("model", "body", "message", "param"), [
+    # a tagged union's tag (`type`) is not part of the path
+    (ChatCompletionRequest, {**CHAT, "response_format": {"type": "json_schema"}},
+     "response_format.json_schema is required", "response_format.json_schema"),
+    (ChatCompletionRequest, {**CHAT, "response_format": {"type": "json_schema",
+                                                         "json_schema": {"name": 5}}},
+     "response_format.json_schema.name must be a string, got a number",
+     "response_format.json_schema.name"),
+    (ChatCompletionRequest, {**CHAT, "response_format": {"type": "json_schema",
+                                                         "json_schema": 5}},
+     "response_format.json_schema must be an object, got a number",
+     "response_format.json_schema"),
+    (ChatCompletionRequest, {**CHAT, "response_format": {"type": "xml"}},
+     "response_format.type must be one of 'text', 'json_object', 'json_schema', got 'xml'",
+     "response_format.type"),
+    (ChatCompletionRequest, {**CHAT, "response_format": {}},
+     "response_format.type is required", "response_format.type"),
+    # a key that is also its object's type stays in the path
+    (ChatCompletionRequest, {**CHAT, "tools": [{"type": "function", "function": {"name": 5}}]},
+     "tools[0].function.name must be a string, got a number", "tools[0].function.name"),
+    (ChatCompletionRequest, {**CHAT, "messages": [{"role": "user", "content": [
+        {"type": "text"}]}]}, "messages[0].content[0].text is required",
+     "messages[0].content[0].text"),
+    # the shape that took the value's type says what it refused
+    (ChatCompletionRequest, {**CHAT, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0].type must be 'text', got 'image_url'",
+     "messages[0].content[0].type"),
+    (CompletionRequest, {"model": "m", "prompt": [5, -1]}, "prompt[1] must be >= 0, got -1",
+     "prompt"),
+    (CompletionRequest, {"model": "m", "prompt": [[1, -2]]},
+     "prompt[0][1] must be >= 0, got -2", "prompt"),
+])
+def test_the_path_names_the_field_as_the_client_wrote_it(model, body, message, param) -> None:
+    with pytest.raises(SchemaError) as caught:
+        validate_body(model, body)
+    assert (caught.value.message, caught.value.param) == (message, param)
+
+
+@pytest.mark.parametrize("key", ["", "a-b", "list[int]", "str"])
+def test_an_unknown_key_of_any_name_is_named(key) -> None:
+    with pytest.raises(SchemaError) as caught:
+        validate_body(CompletionRequest, {"model": "m", "prompt": "x", key: 1, "other": 2})
+    assert caught.value.message.startswith(f"unknown field {key!r}")

@@ -208,7 +208,7 @@ def _wait_and_answer(svc: Services, job: Job, answer: Answer,
         if time.monotonic() > deadline:
             cancel_quietly(svc, job_id)
             raise APIError(504, "timeout", f"job {job_id} did not finish within "
-                           f"{svc.settings.request_timeout_seconds:.0f}s and was cancelled; "
+                           f"{svc.settings.request_timeout_seconds:g} s and was cancelled; "
                            "lower max_tokens, or use stream: true or the jobs API "
                            "(/v1/jobs) for long generations")
         if event is None or isinstance(event, Park):  # not cooperative: never a Park

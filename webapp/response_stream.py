@@ -33,7 +33,7 @@ def wait_for_job(svc: Services, job_id: str) -> None:
         if time.monotonic() > deadline:
             cancel_quietly(svc, job_id)
             raise APIError(504, "timeout", f"response of job {job_id} did not finish within "
-                           f"{svc.settings.request_timeout_seconds:.0f}s and was cancelled; "
+                           f"{svc.settings.request_timeout_seconds:g} s and was cancelled; "
                            "use background: true for long generations")
         if event is not None and not isinstance(event, Park) and event.type.is_terminal:
             return

@@ -59,16 +59,22 @@ class SchemaError(ValueError):
         return cls(str(exc), exc.param.split("[", 1)[0])
 
     @classmethod
-    def from_validation(cls, exc: ValidationError,
-                        model: type[BaseModel] | None = None) -> SchemaError:
+    def from_validation(cls, exc: ValidationError, model: type[BaseModel] | None = None,
+                        body: Any = None) -> SchemaError:
         """The first problem of a pydantic validation: `param` the field's path
-        (`messages[0].role`), the message `<param> must be <what>, got <value>`."""
+        (`messages[0].role`), the message `<param> must be <what>, got <value>`. `body`:
+        the value validated, when the caller has it (a tagged union's tag is then left
+        out of the path, `_without_tags`)."""
         errors = exc.errors()
         error = errors[0]
         loc = tuple(error["loc"])
         refused = _refused_content(errors)
         if refused is not None:
-            error, loc = refused, tuple(p for p in refused["loc"] if _is_path_part(p))
+            error, loc = refused, tuple(p for p in refused["loc"] if _is_path_part(p)) or loc
+        if body is not None:
+            loc = _without_tags(loc, body)
+        if error["type"] in ("union_tag_invalid", "union_tag_not_found"):  # the tag's field
+            loc += (str((error.get("ctx") or {}).get("discriminator", "type")).strip("'"),)
         path, whole = _param(loc)
         result = cls._describe(error, loc, path, whole, model)
         # NOTE: like InvalidParamError's: the message names the element (`stop[2]`), the
@@ -87,10 +93,11 @@ class SchemaError(ValueError):
             shape = UNION_SHAPES.get(str(param).rsplit(".", 1)[-1].split("[")[0])
             if shape is not None:
                 return cls(f"{param} must be {shape}", param)
-        if kind == "missing" or (kind == "string_type" and value is None):
+        if kind in ("missing", "union_tag_not_found") or (kind == "string_type"
+                                                          and value is None):
             return cls(f"{param} is required", param)
         if kind == "extra_forbidden":
-            name = str(loc[-1])
+            name = str(loc[-1]) if loc else ""
             allowed = ""
             if model is not None and len(loc) == 1:
                 allowed = "; allowed fields: " + ", ".join(sorted(model.model_fields))
@@ -99,6 +106,9 @@ class SchemaError(ValueError):
             # a number of the wrong kind (1e9 for an integer, an infinity) is shown itself
             got = _show(value) if isinstance(value, float) else _json_type(value)
             return cls(f"{param} must be {_EXPECTED[kind]}, got {got}", param)
+        if kind == "union_tag_invalid":
+            return cls(f"{param} must be one of {ctx.get('expected_tags')}, got "
+                       f"{_show(ctx.get('tag'))}", param)
         if kind == "literal_error":
             return cls(f"{param} must be {ctx.get('expected')}, got {_show(value)}", param)
         if kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
@@ -120,8 +130,9 @@ class SchemaError(ValueError):
 
 
 def _field_of(path: str) -> str:
-    """`stop_token_ids[0]` -> `stop_token_ids`; `messages[0].content` stays."""
-    return re.sub(r"\[\d+\]$", "", path)
+    """`stop_token_ids[0]` -> `stop_token_ids`, `prompt[0][1]` -> `prompt`;
+    `messages[0].content` stays."""
+    return re.sub(r"(\[\d+\])+$", "", path)
 
 
 def _is_path_part(part: Any) -> bool:
@@ -144,13 +155,59 @@ def _param(loc: tuple[Any, ...]) -> tuple[str, bool]:
 def _refused_content(errors: list[Any]) -> Any | None:
     """When every shape of a union failed (the first error's path ends in a shape tag),
     the error of a shape that took the value's type and refused what it holds (a prompt
-    string with a NUL in it): it says what is wrong, where the other shapes' errors only
-    say the type differs. None otherwise."""
+    string with a NUL in it, a token id below 0, a content part of another type): it says
+    what is wrong, where the other shapes' errors only say the type differs. None
+    otherwise, and when every shape refused the type itself (the shapes are said)."""
     path, whole = _param(tuple(errors[0]["loc"]))
-    if whole:
+    # NOTE: an unknown key is not a shape tag, whatever its name ("", "a-b")
+    if whole or errors[0]["type"] == "extra_forbidden":
         return None
-    return next((error for error in errors if error["type"] == "value_error"
+    return next((error for error in errors if not _type_mismatch(error["type"])
                  and _param(tuple(error["loc"])) == (path, False)), None)
+
+
+def _type_mismatch(kind: str) -> bool:
+    return kind.endswith(("_type", "_parsing")) or kind == "int_from_float"
+
+
+def _without_tags(loc: tuple[Any, ...], body: Any) -> tuple[Any, ...]:
+    """`loc` without the tags of tagged unions: pydantic puts the tag (the object's
+    `type`) in the path, `response_format.json_schema.json_schema` for a missing
+    `json_schema`. Walked through the `body` validated: a part that is its object's
+    `type` is a tag where reading it as a key does not reach the rest of the path."""
+    kept: list[Any] = []
+    value = body
+    for index, part in enumerate(loc):
+        rest = loc[index + 1:]
+        if (isinstance(value, dict) and isinstance(part, str) and rest
+                and value.get("type") == part and not _reaches(value.get(part), rest)):
+            continue  # a tag: the rest of the path is read in this same object
+        kept.append(part)
+        value = _step(value, part)
+    return tuple(kept)
+
+
+def _step(value: Any, part: Any) -> Any:
+    if isinstance(value, dict) and isinstance(part, str):
+        return value.get(part)
+    if isinstance(value, list) and isinstance(part, int) and 0 <= part < len(value):
+        return value[part]
+    return None
+
+
+def _reaches(value: Any, rest: tuple[Any, ...]) -> bool:
+    """Whether `rest` (a path below `value`) can be read in it: each part a key or index
+    that is there, but for the last, which may be a missing field."""
+    for index, part in enumerate(rest):
+        last = index == len(rest) - 1
+        if isinstance(value, dict) and isinstance(part, str):
+            if part not in value:
+                return last
+        elif not (isinstance(value, list) and isinstance(part, int)
+                  and 0 <= part < len(value)):
+            return False
+        value = _step(value, part)
+    return True
 
 
 def _json_type(value: Any) -> str:
