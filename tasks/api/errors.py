@@ -70,7 +70,7 @@ class SchemaError(ValueError):
         loc = tuple(error["loc"])
         refused = _refused_content(errors)
         if refused is not None:
-            error, loc = refused, tuple(p for p in refused["loc"] if _is_path_part(p)) or loc
+            error, loc = refused, tuple(p for p in refused["loc"] if _is_path_part(p))
         if body is not None:
             loc = _without_tags(loc, body)
         if error["type"] in ("union_tag_invalid", "union_tag_not_found"):  # the tag's field
@@ -97,7 +97,7 @@ class SchemaError(ValueError):
                                                           and value is None):
             return cls(f"{param} is required", param)
         if kind == "extra_forbidden":
-            name = str(loc[-1]) if loc else ""
+            name = str(loc[-1])
             allowed = ""
             if model is not None and len(loc) == 1:
                 allowed = "; allowed fields: " + ", ".join(sorted(model.model_fields))
@@ -159,8 +159,9 @@ def _refused_content(errors: list[Any]) -> Any | None:
     what is wrong, where the other shapes' errors only say the type differs. None
     otherwise, and when every shape refused the type itself (the shapes are said)."""
     path, whole = _param(tuple(errors[0]["loc"]))
-    # NOTE: an unknown key is not a shape tag, whatever its name ("", "a-b")
-    if whole or errors[0]["type"] == "extra_forbidden":
+    # NOTE: an unknown key is not a shape tag, whatever its name ("", "a-b"); a union is
+    # a field's: its path names it
+    if whole or not path or errors[0]["type"] == "extra_forbidden":
         return None
     return next((error for error in errors if not _type_mismatch(error["type"])
                  and _param(tuple(error["loc"])) == (path, False)), None)
