@@ -95,6 +95,19 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
      "response_format.type"),
     (ChatCompletionRequest, {**CHAT, "response_format": {}},
      "response_format.type is required", "response_format.type"),
+    # a tag or a literal that is not text is shown as the client sent it
+    (ChatCompletionRequest, {**CHAT, "response_format": {"type": None}},
+     "response_format.type must be one of 'text', 'json_object', 'json_schema', got null",
+     "response_format.type"),
+    (ChatCompletionRequest, {**CHAT, "response_format": {"type": 3}},
+     "response_format.type must be one of 'text', 'json_object', 'json_schema', got 3",
+     "response_format.type"),
+    (ChatCompletionRequest, {**CHAT, "messages": [{"role": "user", "content": [
+        {"type": None, "text": "x"}]}]},
+     "messages[0].content[0].type must be 'text', got null", "messages[0].content[0].type"),
+    (ChatCompletionRequest, {**CHAT, "messages": [{"role": True, "content": "x"}]},
+     "messages[0].role must be 'system', 'user', 'assistant' or 'tool', got a boolean",
+     "messages[0].role"),
     # a key that is also its object's type stays in the path
     (ChatCompletionRequest, {**CHAT, "tools": [{"type": "function", "function": {"name": 5}}]},
      "tools[0].function.name must be a string, got a number", "tools[0].function.name"),

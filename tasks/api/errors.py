@@ -107,10 +107,15 @@ class SchemaError(ValueError):
             got = _show(value) if isinstance(value, float) else _json_type(value)
             return cls(f"{param} must be {_EXPECTED[kind]}, got {got}", param)
         if kind == "union_tag_invalid":
+            # NOTE: pydantic's ctx has the tag as text ('None' for null): the body's own
+            # value is shown when it is there, its JSON type when it is not text
+            tag_key = str(ctx.get("discriminator", "type")).strip("'")
+            tag = value[tag_key] if isinstance(value, dict) and tag_key in value \
+                else ctx.get("tag")
             return cls(f"{param} must be one of {ctx.get('expected_tags')}, got "
-                       f"{_show(ctx.get('tag'))}", param)
+                       f"{_shown(tag)}", param)
         if kind == "literal_error":
-            return cls(f"{param} must be {ctx.get('expected')}, got {_show(value)}", param)
+            return cls(f"{param} must be {ctx.get('expected')}, got {_shown(value)}", param)
         if kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
             sign = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=",
                     "less_than": "<"}[kind]
@@ -223,6 +228,14 @@ def _json_type(value: Any) -> str:
     if isinstance(value, list):
         return "an array"
     return "an object"
+
+
+def _shown(value: Any) -> str:
+    """A refused value as the client sent it: text and numbers themselves, anything else
+    by its JSON type (`null`, not Python's `None`)."""
+    if isinstance(value, str) or (isinstance(value, int | float) and not isinstance(value, bool)):
+        return _show(value)
+    return _json_type(value)
 
 
 def _show(value: Any) -> str:
