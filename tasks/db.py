@@ -175,15 +175,35 @@ def alembic_config(url: str) -> Any:
     return config
 
 
-def upgrade_database(url: str) -> None:
-    """Migrate the database at `url` to the newest schema (`alembic upgrade head`)."""
+def upgrade_database(url: str, *, quiet: bool = False) -> list[str]:
+    """Migrate the database at `url` to the newest schema (`alembic upgrade head`).
+    Returns the migrations applied, oldest first (`"0001 -> 0002, what it does"`; [] when
+    it was at the newest). `quiet`: log none of it (the caller says it in its own words)."""
     # NOTE: alembic announces each of its own plugins at INFO when it is imported; only
     # the migrations it applies are worth a line
     logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
     from alembic import command
 
-    logger.info("upgrading database schema at %s", _redact(url))
-    command.upgrade(alembic_config(url), "head")
+    applied: list[str] = []
+
+    def note(record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message.startswith("Running upgrade"):
+            applied.append(message.removeprefix("Running upgrade").strip())
+        return not quiet
+
+    migration_log = logging.getLogger("alembic.runtime.migration")
+    level = migration_log.level
+    migration_log.setLevel(logging.INFO)  # seen by `note` even where a check quieted it
+    migration_log.addFilter(note)
+    try:
+        if not quiet:
+            logger.info("upgrading database schema at %s", _redact(url))
+        command.upgrade(alembic_config(url), "head")
+    finally:
+        migration_log.removeFilter(note)
+        migration_log.setLevel(level)
+    return applied
 
 
 def check_schema(url: str, upgrade_command: str = "llmq db upgrade") -> None:

@@ -128,8 +128,11 @@ def test_a_channel_keeps_one_client_for_its_plain_commands_while_its_pool_lives(
 
 def test_sqlite_engine_migrates_and_uses_wal(tmp_path):
     url = f"sqlite:///{tmp_path / 'llmq.db'}"
-    upgrade_database(url)
-    upgrade_database(url)  # idempotent
+    applied = upgrade_database(url, quiet=True)
+    assert applied[0].startswith("-> 0001, ") and len(applied) >= 9
+    assert [step.split(",")[0].split("->")[1].strip() for step in applied] == [
+        f"{i:04d}" for i in range(1, len(applied) + 1)]
+    assert upgrade_database(url) == []  # idempotent
     engine = create_db_engine(url)
     with engine.connect() as conn:
         assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
