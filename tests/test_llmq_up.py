@@ -106,7 +106,7 @@ def test_llmq_up_serves_a_completion_and_stops_cleanly(tmp_path):
         assert READY_LINE in text and "creating a tiny demo checkpoint" in text
         assert "embedded Redis" in text
         # the schema in one line of its own words, not the migration tool's log
-        assert "migration(s) applied, now at 00" in text and "alembic" not in text
+        assert "migrations applied, now at 00" in text and "alembic" not in text
         assert f"curl http://127.0.0.1:{port}/v1/completions" in text
         assert (tmp_path / "state" / "llmq.db").exists()  # SQLite in the state dir
 
