@@ -103,7 +103,7 @@ def test_beat_fails_jobs_as_the_servers_fault(path, service_settings, session_fa
     from tasks.maintenance import fail_overdue_queued_jobs, reclaim_expired_leases
 
     settings = service_settings.with_overrides(
-        redis_prefix=f"llmqkind{uuid.uuid4().hex[:8]}", max_attempts=1,
+        redis_prefix=f"{service_settings.redis_prefix}kind{uuid.uuid4().hex[:8]}", max_attempts=1,
         queue_timeout_seconds=60.0)
     job_id = insert_job(session_factory)
     with session_factory.begin() as session:

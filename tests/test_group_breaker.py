@@ -37,7 +37,8 @@ def settings(service_settings):
     # database is shared), and a job another test left queued would change the step
     # count these tests rely on
     return service_settings.with_overrides(
-        redis_prefix=f"llmqbreak{uuid.uuid4().hex[:8]}", drain_grace_seconds=2.0,
+        redis_prefix=f"{service_settings.redis_prefix}break{uuid.uuid4().hex[:8]}",
+        drain_grace_seconds=2.0,
         models={MODEL: service_settings.models["tiny"]})
 
 

@@ -92,7 +92,8 @@ def test_a_killed_rank_hands_the_jobs_back_and_stops_the_worker(service_settings
 
     # a queue of its own: only this test's groups take its jobs
     settings = service_settings.with_overrides(
-        redis_prefix=f"llmqrank{uuid.uuid4().hex[:8]}", drain_grace_seconds=2.0)
+        redis_prefix=f"{service_settings.redis_prefix}rank{uuid.uuid4().hex[:8]}",
+        drain_grace_seconds=2.0)
     base_url = start_web(settings)
     log_dir = tmp_path_factory.mktemp("workers")
     victim = WorkerProcess(settings, f"tp-victim-{uuid.uuid4().hex[:4]}", log_dir,

@@ -26,8 +26,9 @@ CHAT = [{"role": "system", "content": "be brief"},
 @pytest.fixture
 def settings(service_settings):
     # a queue of its own: no other test's worker takes the jobs made here
-    return service_settings.with_overrides(redis_prefix=f"llmqextra{uuid.uuid4().hex[:8]}",
-                                           request_timeout_seconds=0.5)
+    # (under the session's prefix: its teardown deletes these keys too)
+    prefix = f"{service_settings.redis_prefix}extra{uuid.uuid4().hex[:8]}"
+    return service_settings.with_overrides(redis_prefix=prefix, request_timeout_seconds=0.5)
 
 
 @pytest.fixture
