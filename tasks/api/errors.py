@@ -74,7 +74,7 @@ class SchemaError(ValueError):
         if body is not None:
             loc = _without_tags(loc, body)
         if error["type"] in ("union_tag_invalid", "union_tag_not_found"):  # the tag's field
-            loc += (str((error.get("ctx") or {}).get("discriminator", "type")).strip("'"),)
+            loc += (_tag_key(error.get("ctx") or {}),)
         path, whole = _param(loc)
         result = cls._describe(error, loc, path, whole, model)
         # NOTE: like InvalidParamError's: the message names the element (`stop[2]`), the
@@ -109,7 +109,7 @@ class SchemaError(ValueError):
         if kind == "union_tag_invalid":
             # NOTE: pydantic's ctx has the tag as text ('None' for null): the body's own
             # value is shown when it is there, its JSON type when it is not text
-            tag_key = str(ctx.get("discriminator", "type")).strip("'")
+            tag_key = _tag_key(ctx)
             tag = value[tag_key] if isinstance(value, dict) and tag_key in value \
                 else ctx.get("tag")
             return cls(f"{param} must be one of {ctx.get('expected_tags')}, got "
@@ -170,6 +170,11 @@ def _refused_content(errors: list[Any]) -> Any | None:
         return None
     return next((error for error in errors if not _type_mismatch(error["type"])
                  and _param(tuple(error["loc"])) == (path, False)), None)
+
+
+def _tag_key(ctx: dict[str, Any]) -> str:
+    """The key of a tagged union's tag, from its error's ctx (pydantic quotes it)."""
+    return str(ctx.get("discriminator", "type")).strip("'")
 
 
 def _type_mismatch(kind: str) -> bool:
