@@ -31,11 +31,15 @@ from sqlalchemy import (
     String,
     Uuid,
     and_,
+    any_,
     bindparam,
+    cast,
+    func,
     or_,
     select,
     update,
 )
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.sql.dml import ReturningUpdate
 
@@ -103,13 +107,14 @@ class JobClaims:
         job_id = bindparam("claim_job_id", type_=Uuid)
         limit = bindparam("claim_limit", type_=Integer)
         model = bindparam("claim_model", type_=String)
+        by_key = self._bind.dialect.name == "postgresql"
         self._one = self._statement(Job.id == job_id)
-        self._with_ahead = self._statement(or_(Job.id == job_id, _next_queued(
+        self._with_ahead = self._statement(_next_queued(
             and_(Job.model == model, Job.batch_id.is_(None), Job.id != job_id),
-            (Job.priority, Job.created_at), limit, "claimed_ahead")))
+            (Job.priority, Job.created_at), limit, "claimed_ahead", by_key, also=job_id))
         self._lines = self._statement(_next_queued(
             and_(Job.model == model, Job.batch_id.is_not(None)),
-            (Job.created_at, Job.batch_index), limit, "next_lines"))
+            (Job.created_at, Job.batch_index), limit, "next_lines", by_key))
 
     def one(self, job_id: uuid.UUID) -> list[ClaimedRow]:
         return self._claim(self._one, claim_job_id=job_id)
@@ -171,15 +176,32 @@ class JobClaims:
 
 
 def _next_queued(which: ColumnElement[bool], order: tuple[Any, ...],
-                 limit: ColumnElement[int], name: str) -> ColumnElement[bool]:
-    """The condition "one of the first `limit` queued jobs `which` selects, in `order`",
-    for a claim.
+                 limit: ColumnElement[int], name: str, by_key: bool,
+                 also: ColumnElement[Any] | None = None) -> ColumnElement[bool]:
+    """The condition "one of the first `limit` queued jobs `which` selects, in `order`"
+    (or the job `also`), for a claim.
 
     NOTE: SKIP LOCKED: groups claiming at once take different rows (Postgres; the
     conditional UPDATE alone keeps a claim single elsewhere). MATERIALIZED: as a plain
     subquery of the UPDATE, Postgres may run the SELECT more than once, and each run
-    skips the rows the last one locked: a claim of 2 took 3 lines."""
+    skips the rows the last one locked: a claim of 2 took 3 lines.
+
+    `by_key` (Postgres): the UPDATE finds its rows by primary key, `id = ANY(<the ids as
+    one array>)`. As `id IN (<the ids>)` or `id = :also OR ...`, Postgres walked every
+    queued job of the model, a queued batch's lines included (a hash semi-join over the
+    queued-jobs index, or a sequential scan of the table), so a claim cost time in
+    proportion to the queue: an interactive job's claim 9-11 ms with 50,000 batch lines
+    queued, 1.4-1.7 ms by key (docs/benchmarks.md, "Claims by primary key")."""
     queued = (select(Job.id).where(which, Job.status == JobStatus.QUEUED.value)
               .order_by(*order).limit(limit).with_for_update(skip_locked=True)
               .cte(name).prefix_with("MATERIALIZED"))
-    return Job.id.in_(select(queued.c.id))
+    if by_key:
+        # NOTE: the cast makes `ANY` take one array (`ANY ((SELECT ...))`), not the
+        # subquery form `ANY (SELECT ...)` that compares against each of its rows
+        ids: ColumnElement[Any] = cast(select(func.array_agg(queued.c.id)).scalar_subquery(),
+                                       ARRAY(Uuid))
+        if also is not None:  # array_agg of no row is NULL: array_prepend makes {also}
+            ids = func.array_prepend(also, ids)
+        return Job.id == any_(ids)
+    matches = Job.id.in_(select(queued.c.id))
+    return matches if also is None else or_(Job.id == also, matches)
