@@ -45,7 +45,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from tasks.db import has_passed, update_count, utcnow
 from tasks.files import new_file_id, store_file
 from tasks.job_errors import job_failure, refused_request
-from tasks.models import Batch, BatchStatus, Job, JobErrorKind, JobKind, JobStatus
+from tasks.models import Batch, BatchStatus, Job, JobErrorKind, JobKind, JobStatus, job_status_is
 from tasks.openai_body import completion_object, response_id
 from tasks.protocol import EventType, JobEvent, cancel_channel, cancel_flag_key
 from tasks.settings import Settings
@@ -54,11 +54,8 @@ from tasks.streams.publish import EventPublisher
 logger = logging.getLogger(__name__)
 
 UNFINISHED = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
-# the same statuses written into the SQL, not sent as parameters: the planner then always
-# sees that ix_jobs_unfinished_batch_lines' predicate holds (a prepared statement's generic
-# plan included)
-_UNFINISHED_INLINE = Job.status.in_(bindparam("unfinished", list(UNFINISHED), expanding=True,
-                                              literal_execute=True))
+# the same statuses written into the SQL: ix_jobs_unfinished_batch_lines' predicate holds
+_UNFINISHED_INLINE = job_status_is(JobStatus.QUEUED, JobStatus.RUNNING)
 # one queued or running line of a batch, if any
 _ANY_UNFINISHED = select(Job.id).where(Job.batch_id == bindparam("batch_id"),
                                        _UNFINISHED_INLINE).limit(1)

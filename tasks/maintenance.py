@@ -36,7 +36,7 @@ from tasks.broker_queue import pending_job_ids
 from tasks.celery_app import send_generate
 from tasks.db import create_db_engine, make_sessionmaker, update_count, utcnow
 from tasks.files import delete_expired_files
-from tasks.models import Job, JobErrorKind, JobStatus
+from tasks.models import Job, JobErrorKind, JobStatus, job_status_is
 from tasks.protocol import (
     BATCH_SWEEP_TASK,
     EXPIRE_STREAMS_TASK,
@@ -142,7 +142,7 @@ def fail_overdue_queued_jobs(settings: Settings, session_factory: sessionmaker[S
     with session_factory.begin() as session:
         candidates = dict(session.execute(
             select(Job.id, Job.prompt_tokens)
-            .where(Job.status == JobStatus.QUEUED.value, Job.created_at < cutoff,
+            .where(job_status_is(JobStatus.QUEUED), Job.created_at < cutoff,
                    Job.batch_id.is_(None))  # a batch line waits for its window instead
             .order_by(Job.created_at)
             .limit(RECLAIM_BATCH)
@@ -190,7 +190,7 @@ def resend_stranded_jobs(
     with session_factory() as session:
         rows = session.execute(
             select(Job.id, Job.model)
-            .where(Job.status == JobStatus.QUEUED.value, Job.created_at < cutoff,
+            .where(job_status_is(JobStatus.QUEUED), Job.created_at < cutoff,
                    Job.batch_id.is_(None))  # batch lines have no messages (see below)
             .order_by(Job.created_at)
             .limit(RECLAIM_BATCH)

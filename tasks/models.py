@@ -22,9 +22,11 @@ from sqlalchemy import (
     String,
     Text,
     Uuid,
+    literal,
     text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.sql.elements import ColumnElement
 
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
@@ -240,6 +242,19 @@ class Job(Base):
             sqlite_where=text("idempotency_key IS NOT NULL"),
         ),
     )
+
+
+def job_status_is(*statuses: JobStatus) -> ColumnElement[bool]:
+    """`jobs.status` is one of `statuses`, the values written into the SQL, not sent as
+    parameters.
+
+    For the queries the partial indexes above serve: Postgres proves an index's condition
+    (`status = 'queued'`) against constants only, and a statement a connection runs five
+    times is prepared (psycopg) and may then run on a generic plan, where `status = $1`
+    matches no partial index. The feeder's claim of 8 lines then sorted every queued line
+    of the batch: 11 ms a claim with 20,000 queued, 1.3-1.8 ms with the constants."""
+    values = [literal(status.value, String, literal_execute=True) for status in statuses]
+    return Job.status == values[0] if len(values) == 1 else Job.status.in_(values)
 
 
 class StoredResponse(Base):

@@ -18,7 +18,7 @@ from tasks.api.jobs import JOB_STATUSES, JobListQuery
 from tasks.celery_app import send_generate
 from tasks.db import keyset_after, keyset_order, update_count, utcnow
 from tasks.metrics import record_queued_cancel
-from tasks.models import Job, JobStatus
+from tasks.models import Job, JobStatus, job_status_is
 from tasks.protocol import EventType, JobEvent, cancel_channel, cancel_flag_key
 from tasks.schema import JobRequest, SchemaError, parse_job_request, pin_seed
 from tasks.streams.reader import current_output
@@ -314,7 +314,7 @@ def _insert_statement(names: tuple[str, ...], limited: bool) -> Insert:
     if limited:
         # NOTE: batch lines do not count: a big batch must never turn interactive
         # requests away
-        queued = (select(Job.id).where(Job.status == JobStatus.QUEUED.value,
+        queued = (select(Job.id).where(job_status_is(JobStatus.QUEUED),
                                        Job.model == bindparam("v_model"),
                                        Job.batch_id.is_(None))
                   .limit(bindparam("queue_scan")).subquery())

@@ -42,9 +42,10 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.sql.dml import ReturningUpdate
+from sqlalchemy.sql.selectable import CTE
 
 from tasks.db import utcnow
-from tasks.models import Job, JobStatus
+from tasks.models import Job, JobStatus, job_status_is
 from tasks.protocol import cancel_flag_key
 from tasks.settings import Settings
 
@@ -107,14 +108,23 @@ class JobClaims:
         job_id = bindparam("claim_job_id", type_=Uuid)
         limit = bindparam("claim_limit", type_=Integer)
         model = bindparam("claim_model", type_=String)
-        by_key = self._bind.dialect.name == "postgresql"
         self._one = self._statement(Job.id == job_id)
-        self._with_ahead = self._statement(_next_queued(
+        ahead = _next_queued(
             and_(Job.model == model, Job.batch_id.is_(None), Job.id != job_id),
-            (Job.priority, Job.created_at), limit, "claimed_ahead", by_key, also=job_id))
-        self._lines = self._statement(_next_queued(
-            and_(Job.model == model, Job.batch_id.is_not(None)),
-            (Job.created_at, Job.batch_index), limit, "next_lines", by_key))
+            (Job.priority, Job.created_at), limit, "claimed_ahead")
+        lines = _next_queued(and_(Job.model == model, Job.batch_id.is_not(None)),
+                             (Job.created_at, Job.batch_index), limit, "next_lines")
+        if self._bind.dialect.name == "postgresql":
+            # the message's job locked as the others are (waiting for a lock, not skipping)
+            mine = (select(Job.id).where(Job.id == job_id, Job.status == JobStatus.QUEUED.value)
+                    .with_for_update().cte("claimed").prefix_with("MATERIALIZED"))
+            self._with_ahead = self._statement(
+                Job.id == any_(func.array_cat(_ids(mine), _ids(ahead))), locked=True)
+            self._lines = self._statement(Job.id == any_(_ids(lines)), locked=True)
+        else:
+            self._with_ahead = self._statement(or_(Job.id == job_id,
+                                                   Job.id.in_(select(ahead.c.id))))
+            self._lines = self._statement(Job.id.in_(select(lines.c.id)))
 
     def one(self, job_id: uuid.UUID) -> list[ClaimedRow]:
         return self._claim(self._one, claim_job_id=job_id)
@@ -126,12 +136,25 @@ class JobClaims:
     def lines(self, model: str, limit: int) -> list[ClaimedRow]:
         return self._claim(self._lines, claim_model=model, claim_limit=max(1, limit))
 
-    def _statement(self, which: ColumnElement[bool]) -> ReturningUpdate[Any]:
+    def _statement(self, which: ColumnElement[bool],
+                   locked: bool = False) -> ReturningUpdate[Any]:
         """The claim of the jobs `which` selects that are still queued; executed with
-        `claim_now` and `claim_lease` (and `which`'s own parameters)."""
+        `claim_now` and `claim_lease` (and `which`'s own parameters).
+
+        `locked`: `which` selects only rows its subqueries locked as queued (Postgres:
+        a row locked FOR UPDATE had its condition checked again on its latest version, and
+        stays as it is until this statement commits), so the UPDATE finds them by primary
+        key alone. Checking `status` here too let Postgres walk every queued job of the
+        model instead (a queued batch's lines included): as `id IN (<the ids>)` or
+        `id = :job OR ...`, a hash semi-join over the queued-jobs index or a sequential
+        scan; with `id = ANY(...)` beside it, a bitmap scan of that index where its
+        statistics lagged behind a batch's burst of lines. So a claim cost time in
+        proportion to the queue: an interactive job's claim 9-11 ms with 50,000 lines
+        queued; the feeder's claim of 8 lines 11 ms with 20,000 (docs/benchmarks.md,
+        "Claims by primary key")."""
         return (
             update(Job)
-            .where(which, Job.status == JobStatus.QUEUED.value)
+            .where(which, *(() if locked else (Job.status == JobStatus.QUEUED.value,)))
             .values(
                 status=JobStatus.RUNNING.value,
                 worker=self.group_id,
@@ -176,32 +199,22 @@ class JobClaims:
 
 
 def _next_queued(which: ColumnElement[bool], order: tuple[Any, ...],
-                 limit: ColumnElement[int], name: str, by_key: bool,
-                 also: ColumnElement[Any] | None = None) -> ColumnElement[bool]:
-    """The condition "one of the first `limit` queued jobs `which` selects, in `order`"
-    (or the job `also`), for a claim.
+                 limit: ColumnElement[int], name: str) -> CTE:
+    """The first `limit` queued jobs `which` selects, in `order`, for a claim (their ids,
+    locked).
 
     NOTE: SKIP LOCKED: groups claiming at once take different rows (Postgres; the
     conditional UPDATE alone keeps a claim single elsewhere). MATERIALIZED: as a plain
     subquery of the UPDATE, Postgres may run the SELECT more than once, and each run
-    skips the rows the last one locked: a claim of 2 took 3 lines.
+    skips the rows the last one locked: a claim of 2 took 3 lines."""
+    return (select(Job.id).where(which, job_status_is(JobStatus.QUEUED))
+            .order_by(*order).limit(limit).with_for_update(skip_locked=True)
+            .cte(name).prefix_with("MATERIALIZED"))
 
-    `by_key` (Postgres): the UPDATE finds its rows by primary key, `id = ANY(<the ids as
-    one array>)`. As `id IN (<the ids>)` or `id = :also OR ...`, Postgres walked every
-    queued job of the model, a queued batch's lines included (a hash semi-join over the
-    queued-jobs index, or a sequential scan of the table), so a claim cost time in
-    proportion to the queue: an interactive job's claim 9-11 ms with 50,000 batch lines
-    queued, 1.4-1.7 ms by key (docs/benchmarks.md, "Claims by primary key")."""
-    queued = (select(Job.id).where(which, Job.status == JobStatus.QUEUED.value)
-              .order_by(*order).limit(limit).with_for_update(skip_locked=True)
-              .cte(name).prefix_with("MATERIALIZED"))
-    if by_key:
-        # NOTE: the cast makes `ANY` take one array (`ANY ((SELECT ...))`), not the
-        # subquery form `ANY (SELECT ...)` that compares against each of its rows
-        ids: ColumnElement[Any] = cast(select(func.array_agg(queued.c.id)).scalar_subquery(),
-                                       ARRAY(Uuid))
-        if also is not None:  # array_agg of no row is NULL: array_prepend makes {also}
-            ids = func.array_prepend(also, ids)
-        return Job.id == any_(ids)
-    matches = Job.id.in_(select(queued.c.id))
-    return matches if also is None else or_(Job.id == also, matches)
+
+def _ids(locked: CTE) -> ColumnElement[Any]:
+    """The ids `locked` selected, as one array (NULL when none).
+
+    NOTE: the cast makes `ANY` take one array (`ANY ((SELECT ...))`), not the subquery
+    form `ANY (SELECT ...)` that compares against each of its rows."""
+    return cast(select(func.array_agg(locked.c.id)).scalar_subquery(), ARRAY(Uuid))
