@@ -15,13 +15,14 @@ from datetime import timedelta
 from typing import Any
 
 from psycopg import sql
-from sqlalchemy import delete, event, text
+from sqlalchemy import delete, event
 
-from tasks.db import utcnow
+from tasks.db import make_sessionmaker, utcnow
 from tasks.models import Batch, Job
 from tests.batch_helpers import store_queued_lines
 from tests.pipeline_helpers import insert_job
-from workers.claims import JobClaims
+from webapp.batch_validation import refresh_statistics
+from workers.claims import JobClaims, create_claims_engine
 
 NUM_LINES = 2000
 CLAIM = 15
@@ -95,10 +96,11 @@ def test_a_claim_reads_about_the_rows_it_claims_however_long_the_queue(
     lines = store_queued_lines(session_factory, model, list(range(NUM_LINES)),
                                created_at=utcnow() - timedelta(seconds=5))
     jobs = [insert_job(session_factory, model=model) for _ in range(CLAIM + 5)]
+    refresh_statistics(session_factory)  # as the validator does after a batch's burst
+    claims_engine = create_claims_engine(service_settings.database_url, 1)
+    claims_sessions = make_sessionmaker(claims_engine)
     try:
-        with session_factory.begin() as session:  # the planner sees the queue as it is
-            session.execute(text("ANALYZE jobs"))
-        claims = JobClaims(service_settings, session_factory, redis_client, "plans-group",
+        claims = JobClaims(service_settings, claims_sessions, redis_client, "plans-group",
                            own=lambda job_id, attempt: None)
         now = utcnow()
         times = {"claim_now": now, "claim_lease": now + timedelta(seconds=30)}
@@ -107,7 +109,7 @@ def test_a_claim_reads_about_the_rows_it_claims_however_long_the_queue(
                                                 "claim_model": model, "claim_limit": CLAIM}),
             "lines": (claims._lines, {**times, "claim_model": model, "claim_limit": CLAIM}),
         }
-        plans = {(name, generic): _explained(session_factory, statement, params, generic)
+        plans = {(name, generic): _explained(claims_sessions, statement, params, generic)
                  for name, (statement, params) in asked.items() for generic in (False, True)}
         for (name, generic), plan in plans.items():
             name = f"{name} ({'generic' if generic else 'custom'} plan)"
@@ -123,6 +125,7 @@ def test_a_claim_reads_about_the_rows_it_claims_however_long_the_queue(
             == set(jobs[:4])
         assert [str(row.id) for row in claims.lines(model, 3)] == [lines[i] for i in range(3)]
     finally:
+        claims_engine.dispose()
         with session_factory.begin() as session:
             batch_id = session.get(Job, uuid.UUID(lines[0])).batch_id
             session.execute(delete(Job).where(Job.model == model))

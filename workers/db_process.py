@@ -301,17 +301,17 @@ class _DbService:
         from tasks.db import create_db_engine, make_sessionmaker
         from tasks.redis_client import make_redis
         from tasks.streams.publish import EventPublisher
-        from workers.claims import JobClaims
+        from workers.claims import JobClaims, create_claims_engine
         from workers.db_writer import DbWriter
 
         self.conn = conn
         self.settings = settings
         self._send_lock = threading.Lock()
         self._health = (True, time.monotonic())
-        # the writer's connection, its batch finisher's, the claim threads', and a little
-        # slack
-        self.db_engine = create_db_engine(settings.database_url,
-                                          pool_size=2 + CLAIM_THREADS, max_overflow=2)
+        # the writer's connection, its batch finisher's, and a little slack; the claim
+        # threads' connections apart (create_claims_engine)
+        self.db_engine = create_db_engine(settings.database_url, pool_size=2, max_overflow=2)
+        self.claims_engine = create_claims_engine(settings.database_url, CLAIM_THREADS)
         session_factory = make_sessionmaker(self.db_engine)
         self.redis = make_redis(settings.redis_url)
         app = create_celery(settings)
@@ -320,8 +320,8 @@ class _DbService:
             EventPublisher(self.redis, settings).publish,
             lambda job_id: send_generate(app, settings, job_id, model), group_id,
             healthy=self._healthy, on_lost=self._on_lost)
-        self.claims = JobClaims(settings, session_factory, self.redis, group_id,
-                                own=self.writer.own)
+        self.claims = JobClaims(settings, make_sessionmaker(self.claims_engine), self.redis,
+                                group_id, own=self.writer.own)
         self._claim_pool = ThreadPoolExecutor(CLAIM_THREADS, thread_name_prefix="llmq-claims")
 
     def _send(self, message: tuple[Any, ...]) -> None:
@@ -358,6 +358,7 @@ class _DbService:
         self._claim_pool.shutdown(wait=True)
         self.writer.stop(stop_timeout)
         self.db_engine.dispose()
+        self.claims_engine.dispose()
         self.redis.close()
 
     def _dispatch(self, kind: str, message: tuple[Any, ...]) -> None:
