@@ -95,22 +95,25 @@ class Claims(Protocol):
     def lines(self, model: str, limit: int) -> list[ClaimedRow]: ...
 
 
-# the claims' own Postgres connections plan without explicit sorts (see create_claims_engine)
-CLAIM_CONNECTION_OPTIONS = "-c enable_sort=off"
+# the claims' own Postgres connections plan without explicit sorts or sequential scans
+# (see create_claims_engine)
+CLAIM_CONNECTION_OPTIONS = "-c enable_sort=off -c enable_seqscan=off"
 
 
 def create_claims_engine(url: str, pool_size: int) -> Engine:
     """The engine a group's claims run on (`JobClaims`, in its database process).
 
-    Postgres: its connections plan with `enable_sort=off`. A claim takes the first few
-    queued jobs in an order one of the partial indexes keeps (the batch lines', the
-    queued interactive jobs'); where the table's statistics lag behind a batch's burst of
-    lines (estimated 1 row, 13,000 real) or misjudge how many rows are both queued and
-    batch lines (they multiply the two shares), the planner read every queued line of the
-    model through another index and sorted them: 20 ms a claim of 16 with 13,000 lines
-    queued, 41 s of Postgres over a 50,000-line batch. Without a sort to choose, it reads
-    the few it takes off the ordered index. (`enable_sort` only prices sorts out: where no
-    index gives the order, Postgres still sorts.)"""
+    Postgres: its connections plan with `enable_sort=off` and `enable_seqscan=off`. A
+    claim takes the first few queued jobs in an order one of the partial indexes keeps
+    (the batch lines', the queued interactive jobs'), then updates them by primary key;
+    where the table's statistics lag behind a batch's burst of lines (estimated 1 row,
+    13,000 real) or misjudge how many rows are both queued and batch lines (they multiply
+    the two shares), the planner read every queued line of the model through another
+    index and sorted them (20 ms a claim of 16 with 13,000 lines queued, 41 s of Postgres
+    over a 50,000-line batch), or, taking the table for a small one, scanned all of it for
+    the rows to update. Without sorts and sequential scans to choose, it reads the few
+    rows it takes off the indexes. (Both settings only price those plans out: where
+    nothing else can run a statement, Postgres still sorts or scans.)"""
     if url.startswith(("postgresql", "postgres:")):
         return create_db_engine(url, pool_size=pool_size, max_overflow=1,
                                 connect_args={"options": CLAIM_CONNECTION_OPTIONS})
@@ -138,11 +141,13 @@ class JobClaims:
         lines = _next_queued(and_(Job.model == model, Job.batch_id.is_not(None)),
                              (Job.created_at, Job.batch_index), limit, "next_lines")
         if self._bind.dialect.name == "postgresql":
-            # the message's job locked as the others are (waiting for a lock, not skipping)
-            mine = (select(Job.id).where(Job.id == job_id, Job.status == JobStatus.QUEUED.value)
+            # the message's job locked as the others are (waiting for a lock, not skipping),
+            # found by its id alone: its status is checked on the locked row
+            mine = (select(Job.id, Job.status).where(Job.id == job_id)
                     .with_for_update().cte("claimed").prefix_with("MATERIALIZED"))
+            queued = mine.c.status == JobStatus.QUEUED.value
             self._with_ahead = self._statement(
-                Job.id == any_(func.array_cat(_ids(mine), _ids(ahead))), locked=True)
+                Job.id == any_(func.array_cat(_ids(mine, queued), _ids(ahead))), locked=True)
             self._lines = self._statement(Job.id == any_(_ids(lines)), locked=True)
         else:
             self._with_ahead = self._statement(or_(Job.id == job_id,
@@ -235,9 +240,11 @@ def _next_queued(which: ColumnElement[bool], order: tuple[Any, ...],
             .cte(name).prefix_with("MATERIALIZED"))
 
 
-def _ids(locked: CTE) -> ColumnElement[Any]:
-    """The ids `locked` selected, as one array (NULL when none).
+def _ids(locked: CTE, *where: ColumnElement[bool]) -> ColumnElement[Any]:
+    """The ids `locked` selected (those of them `where` holds for), as one array (NULL
+    when none).
 
     NOTE: the cast makes `ANY` take one array (`ANY ((SELECT ...))`), not the subquery
     form `ANY (SELECT ...)` that compares against each of its rows."""
-    return cast(select(func.array_agg(locked.c.id)).scalar_subquery(), ARRAY(Uuid))
+    ids = select(func.array_agg(locked.c.id)).where(*where)
+    return cast(ids.scalar_subquery(), ARRAY(Uuid))
