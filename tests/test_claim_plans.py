@@ -111,12 +111,13 @@ def test_a_claim_reads_about_the_rows_it_claims_however_long_the_queue(
             "with_ahead": (claims._with_ahead, {**times, "claim_job_id": uuid.UUID(jobs[0]),
                                                 "claim_model": model, "claim_limit": CLAIM}),
             "lines": (claims._lines, {**times, "claim_model": model, "claim_limit": CLAIM}),
+            "one": (claims._one, {**times, "claim_job_id": uuid.UUID(jobs[1])}),
         }
         for statistics in ("from before the lines", "refreshed"):
             if statistics == "refreshed":
                 refresh_statistics(session_factory)  # as the validator does after a burst
             for name, (statement, params) in asked.items():
-                claimed = CLAIM + 1 if name == "with_ahead" else CLAIM
+                claimed = {"with_ahead": CLAIM + 1, "lines": CLAIM, "one": 1}[name]
                 for generic in (False, True):
                     plan = _explained(claims_sessions, statement, params, generic)
                     which = (f"{name} ({'generic' if generic else 'custom'} plan, statistics "

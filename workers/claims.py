@@ -134,7 +134,6 @@ class JobClaims:
         job_id = bindparam("claim_job_id", type_=Uuid)
         limit = bindparam("claim_limit", type_=Integer)
         model = bindparam("claim_model", type_=String)
-        self._one = self._statement(Job.id == job_id)
         ahead = _next_queued(
             and_(Job.model == model, Job.batch_id.is_(None), Job.id != job_id),
             (Job.priority, Job.created_at), limit, "claimed_ahead")
@@ -146,10 +145,12 @@ class JobClaims:
             mine = (select(Job.id, Job.status).where(Job.id == job_id)
                     .with_for_update().cte("claimed").prefix_with("MATERIALIZED"))
             queued = mine.c.status == JobStatus.QUEUED.value
+            self._one = self._statement(Job.id == any_(_ids(mine, queued)), locked=True)
             self._with_ahead = self._statement(
                 Job.id == any_(func.array_cat(_ids(mine, queued), _ids(ahead))), locked=True)
             self._lines = self._statement(Job.id == any_(_ids(lines)), locked=True)
         else:
+            self._one = self._statement(Job.id == job_id)
             self._with_ahead = self._statement(or_(Job.id == job_id,
                                                    Job.id.in_(select(ahead.c.id))))
             self._lines = self._statement(Job.id.in_(select(lines.c.id)))
