@@ -98,13 +98,6 @@ class BatchProgress(NamedTuple):
     # lines queued or running (None: not looked at, a finished batch's stored figures)
     unfinished: int | None
 
-    def to_json(self) -> str:
-        return json.dumps(self._asdict(), separators=(",", ":"))
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> BatchProgress:
-        return cls(**json.loads(text))
-
 
 def batch_progress(session: Session, batch: Batch) -> BatchProgress:
     """`batch`'s figures: `request_counts` `{total, completed, failed}` (failed: failed or

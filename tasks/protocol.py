@@ -134,9 +134,17 @@ def batch_lines_channel(settings: Settings, model: str) -> str:
 
 
 def batch_progress_key(settings: Settings, batch_id: str) -> str:
-    """A running batch's counts, model, usage and unfinished lines as JSON (with a TTL of
-    `batch_progress_cache_seconds`), shared by the web processes its clients poll."""
+    """A running batch's counts, model, usage and unfinished lines as JSON, with when they
+    were computed (fresh for `batch_progress_cache_seconds`, kept a little longer: served
+    stale while one web process computes them anew), shared by the web processes its
+    clients poll."""
     return settings.key("batch", batch_id, "progress")
+
+
+def batch_progress_lock_key(settings: Settings, batch_id: str) -> str:
+    """Held (SET NX, with a TTL) by the web process computing a running batch's figures
+    anew: the others serve the stale ones meanwhile, so a pass a batch runs at once."""
+    return settings.key("batch", batch_id, "progress", "computing")
 
 
 def cancel_flag_key(settings: Settings, job_id: str) -> str:

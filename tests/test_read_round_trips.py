@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import time
 import uuid
+from datetime import timedelta
 
 import pytest
 from psycopg import pq
 from sqlalchemy import event, select, update
 
 from tasks.auth import create_api_key
-from tasks.models import Job
-from tasks.protocol import batch_progress_key
+from tasks.db import utcnow
+from tasks.models import Batch, Job
+from tasks.protocol import batch_progress_key, batch_progress_lock_key
 from tests.batch_helpers import statements_sent, store_ended_batch
 from webapp import batch_validation, create_app
 
@@ -124,6 +126,74 @@ def test_a_running_batch_reads_its_row_and_its_lines_once_and_a_done_one_is_fini
         assert body["status"] == "completed", body
         assert body["request_counts"] == {"total": 2, "completed": 1, "failed": 1}
         assert body["output_file_id"] and body["error_file_id"]
+    finally:
+        app.extensions["llmq"].close()
+
+
+def test_figures_past_their_age_are_computed_by_one_process_and_served_stale_meanwhile(
+        service_settings, session_factory):
+    """A running batch's figures older than `batch_progress_cache_seconds` are computed
+    anew by the web process that takes the batch's lock; while another holds it, a GET
+    answers the older figures with no pass of its own."""
+    settings, app = _app_sharing_figures(service_settings, 0.3)
+    try:
+        client = app.test_client()
+        redis_client = app.extensions["llmq"].redis
+        running = store_ended_batch(session_factory, ("succeeded", "running", "queued"))
+
+        def look(num_statements: int) -> dict:
+            with statements_sent(app.extensions["llmq"].engine, this_thread=True) as statements:
+                body = client.get(f"/v1/batches/{running}").json
+            assert body["status"] == "in_progress", body
+            assert len(statements) == num_statements, statements
+            return body["request_counts"]
+
+        assert look(2) == {"total": 3, "completed": 1, "failed": 0}
+        with session_factory.begin() as session:  # a line ends meanwhile
+            session.execute(update(Job).where(Job.batch_id == running,
+                                              Job.status == "running").values(status="failed"))
+        time.sleep(0.4)  # the figures are past their age
+        lock = batch_progress_lock_key(settings, running)
+        redis_client.set(lock, b"1", px=10_000)  # another process computes them
+        assert look(1) == {"total": 3, "completed": 1, "failed": 0}  # served stale
+        redis_client.delete(lock)
+        assert look(2) == {"total": 3, "completed": 1, "failed": 1}  # this one computes
+        assert redis_client.get(lock) is None  # and lets the next one in
+        assert look(1) == {"total": 3, "completed": 1, "failed": 1}  # fresh: shared
+    finally:
+        app.extensions["llmq"].close()
+
+
+def test_a_validating_batchs_figures_are_shared_for_its_status_only(service_settings,
+                                                                    session_factory):
+    """A batch being validated is polled as a running one is: one pass shared for
+    `batch_progress_cache_seconds`; once it is in progress, its figures from validation
+    are not served (they show no request counts)."""
+    settings, app = _app_sharing_figures(service_settings, 30)
+    try:
+        client = app.test_client()
+        batch_id = store_ended_batch(session_factory, ("succeeded", "queued"))
+        with session_factory.begin() as session:  # validated by another process, alive
+            session.execute(update(Batch).where(Batch.id == batch_id).values(
+                status="validating", in_progress_at=None, validator="elsewhere",
+                validation_lease_expires_at=utcnow() + timedelta(seconds=60)))
+
+        def look(num_statements: int) -> dict:
+            with statements_sent(app.extensions["llmq"].engine, this_thread=True) as statements:
+                body = client.get(f"/v1/batches/{batch_id}").json
+            assert len(statements) == num_statements, statements
+            return body
+
+        assert look(2)["status"] == "validating"
+        assert look(1)["status"] == "validating"  # the shared pass
+        with session_factory.begin() as session:
+            session.execute(update(Batch).where(Batch.id == batch_id).values(
+                status="in_progress", in_progress_at=utcnow(), validator=None,
+                validation_lease_expires_at=None))
+        body = look(2)  # another status: a pass of its own
+        assert body["status"] == "in_progress"
+        assert body["request_counts"] == {"total": 2, "completed": 1, "failed": 0}
+        client.post(f"/v1/batches/{batch_id}/cancel")  # leave nothing queued
     finally:
         app.extensions["llmq"].close()
 
