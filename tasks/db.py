@@ -46,9 +46,12 @@ def has_passed(when: datetime | None, now: datetime | None = None) -> bool:
     return when.replace(tzinfo=when.tzinfo or now.tzinfo) < now
 
 
-def create_db_engine(url: str, **kwargs: Any) -> sqlalchemy.Engine:
+def create_db_engine(url: str, *, postgres_options: str | None = None,
+                     **kwargs: Any) -> sqlalchemy.Engine:
     """An engine for `url` with connection checks on checkout (Postgres: of connections
-    idle for `PING_AFTER_IDLE_SECONDS`, `_ping_idle_connections`).
+    idle for `PING_AFTER_IDLE_SECONDS`, `_ping_idle_connections`). `postgres_options`:
+    settings every Postgres connection starts with (libpq's `options`, `-c name=value`);
+    SQLite has none.
 
     SQLite gets `check_same_thread=False` (threads share the engine),
     WAL journaling and a busy timeout so concurrent processes wait instead of failing.
@@ -82,6 +85,8 @@ def create_db_engine(url: str, **kwargs: Any) -> sqlalchemy.Engine:
     kwargs.setdefault("pool_recycle", 1800)
     connect_args = dict(kwargs.pop("connect_args", {}))
     connect_args.setdefault("connect_timeout", 5)
+    if postgres_options:
+        connect_args["options"] = postgres_options
     engine = sqlalchemy.create_engine(url, connect_args=connect_args, **kwargs)
     _ping_idle_connections(engine)
     return engine

@@ -114,10 +114,8 @@ def create_claims_engine(url: str, pool_size: int) -> Engine:
     the rows to update. Without sorts and sequential scans to choose, it reads the few
     rows it takes off the indexes. (Both settings only price those plans out: where
     nothing else can run a statement, Postgres still sorts or scans.)"""
-    if url.startswith(("postgresql", "postgres:")):
-        return create_db_engine(url, pool_size=pool_size, max_overflow=1,
-                                connect_args={"options": CLAIM_CONNECTION_OPTIONS})
-    return create_db_engine(url, pool_size=pool_size, max_overflow=1)
+    return create_db_engine(url, pool_size=pool_size, max_overflow=1,
+                            postgres_options=CLAIM_CONNECTION_OPTIONS)
 
 
 class JobClaims:
