@@ -98,15 +98,18 @@ def cmd_config(args: argparse.Namespace) -> int:
 def cmd_db_upgrade(args: argparse.Namespace) -> int:
     import sqlalchemy
 
-    from tasks.db import upgrade_database
+    from tasks.db import current_revision, upgrade_database
 
     url = database_url_of(args)
     try:
-        upgrade_database(url)
+        applied = upgrade_database(url)
+        revision = current_revision(url)
     except sqlalchemy.exc.DBAPIError as exc:
         reason = str(exc.orig).strip().splitlines()[0] if exc.orig else type(exc).__name__
         raise CommandError(f"cannot migrate the database: {reason}") from None
-    print("database is at the newest schema")
+    for step in applied:
+        print(f"applied {step}")
+    print(f"database is at the newest schema ({revision})")
     return 0
 
 

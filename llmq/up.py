@@ -70,7 +70,7 @@ def _run_locked(args: argparse.Namespace, state_dir: Path) -> int:
 
         applied = upgrade_database(database_url, quiet=True)
         if applied:
-            schema = applied[-1].split(",", 1)[0].rsplit("->", 1)[-1].strip()
+            schema = applied[-1].revision
             count = f"{len(applied)} migration{'' if len(applied) == 1 else 's'}"
             _say(f"database schema created or upgraded: {count} applied, now at {schema}")
         redis_url = args.redis_url or os.environ.get("LLMQ_REDIS_URL")

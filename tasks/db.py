@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib import resources
 from pathlib import Path
@@ -180,35 +181,67 @@ def alembic_config(url: str) -> Any:
     return config
 
 
-def upgrade_database(url: str, *, quiet: bool = False) -> list[str]:
+@dataclass(frozen=True)
+class AppliedMigration:
+    """One migration `upgrade_database` applied: its revision, the one before it (None for
+    the first) and its title (the first line of its docstring)."""
+
+    revision: str
+    down_revision: str | None
+    title: str
+
+    def __str__(self) -> str:
+        return f"{self.down_revision or ''} -> {self.revision}, {self.title}"
+
+
+def current_revision(url: str) -> str | None:
+    """The schema revision the database at `url` is at (None: no schema yet)."""
+    from alembic.migration import MigrationContext
+
+    engine = create_db_engine(url)
+    try:
+        with engine.connect() as conn:
+            return MigrationContext.configure(conn).get_current_revision()
+    finally:
+        engine.dispose()
+
+
+def upgrade_database(url: str, *, quiet: bool = False) -> list[AppliedMigration]:
     """Migrate the database at `url` to the newest schema (`alembic upgrade head`).
-    Returns the migrations applied, oldest first (`"0001 -> 0002, what it does"`; [] when
-    it was at the newest). `quiet`: log none of it (the caller says it in its own words)."""
+    Returns the migrations applied, oldest first ([] when it was at the newest), read from
+    the migrations' own graph between the revision before and the one after. `quiet`: log
+    none of it (the caller says it in its own words)."""
     # NOTE: alembic announces each of its own plugins at INFO when it is imported; only
     # the migrations it applies are worth a line
     logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
     from alembic import command
+    from alembic.script import ScriptDirectory
 
-    applied: list[str] = []
-
-    def note(record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        if message.startswith("Running upgrade"):
-            applied.append(message.removeprefix("Running upgrade").strip())
-        return not quiet
-
+    config = alembic_config(url)
     migration_log = logging.getLogger("alembic.runtime.migration")
     level = migration_log.level
-    migration_log.setLevel(logging.INFO)  # seen by `note` even where a check quieted it
-    migration_log.addFilter(note)
+    # (INFO where not quiet: a schema check may have set it to WARNING in this process)
+    migration_log.setLevel(logging.WARNING if quiet else logging.INFO)
     try:
+        before = current_revision(url)
         if not quiet:
             logger.info("upgrading database schema at %s", _redact(url))
-        command.upgrade(alembic_config(url), "head")
+        command.upgrade(config, "head")
+        after = current_revision(url)
     finally:
-        migration_log.removeFilter(note)
         migration_log.setLevel(level)
-    return applied
+    if after == before:
+        return []
+    scripts = ScriptDirectory.from_config(config)
+    # newest first, from `after` down to (not including) `before`
+    steps = list(scripts.iterate_revisions(after, before))
+    return [AppliedMigration(
+        step.revision,
+        # (a merge has several: written as one, comma-separated)
+        ",".join(step.down_revision) if isinstance(step.down_revision, tuple | list)
+        else step.down_revision,
+        step.doc.strip().splitlines()[0] if step.doc and step.doc.strip() else "")
+        for step in reversed(steps)]
 
 
 def check_schema(url: str, upgrade_command: str = "llmq db upgrade") -> None:

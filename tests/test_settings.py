@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 
@@ -10,7 +11,13 @@ import pytest
 import sqlalchemy
 
 from tasks.celery_app import create_celery, maintenance_queue, send_generate
-from tasks.db import create_db_engine, upgrade_database, utcnow
+from tasks.db import (
+    alembic_config,
+    create_db_engine,
+    current_revision,
+    upgrade_database,
+    utcnow,
+)
 from tasks.protocol import (
     BATCH_SWEEP_TASK,
     EXPIRE_STREAMS_TASK,
@@ -126,13 +133,35 @@ def test_a_channel_keeps_one_client_for_its_plain_commands_while_its_pool_lives(
     assert sorted(sent) == sorted(repr([job_id]) for job_id in job_ids)
 
 
+def test_upgrade_reports_only_the_migrations_it_applied(tmp_path, caplog):
+    """A database part way up the migrations: the upgrade names exactly the rest, in
+    order, whatever alembic's own log says (quiet: it says nothing)."""
+    from alembic import command
+
+    url = f"sqlite:///{tmp_path / 'llmq.db'}"
+    assert current_revision(url) is None
+    command.upgrade(alembic_config(url), "0005")
+    assert current_revision(url) == "0005"
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        applied = upgrade_database(url, quiet=True)
+    assert [step.revision for step in applied][:2] == ["0006", "0007"]
+    assert applied[0].down_revision == "0005"
+    assert current_revision(url) == applied[-1].revision
+    assert not [r for r in caplog.records if r.name.startswith("alembic")]
+
+
 def test_sqlite_engine_migrates_and_uses_wal(tmp_path):
     url = f"sqlite:///{tmp_path / 'llmq.db'}"
     applied = upgrade_database(url, quiet=True)
-    assert applied[0].startswith("-> 0001, ") and len(applied) >= 9
-    assert [step.split(",")[0].split("->")[1].strip() for step in applied] == [
+    assert str(applied[0]).startswith(" -> 0001, ") and len(applied) >= 9
+    assert [step.revision for step in applied] == [
         f"{i:04d}" for i in range(1, len(applied) + 1)]
+    assert [step.down_revision for step in applied] == [
+        None, *(step.revision for step in applied[:-1])]
+    assert all(step.title for step in applied)
     assert upgrade_database(url) == []  # idempotent
+    assert current_revision(url) == applied[-1].revision
     engine = create_db_engine(url)
     with engine.connect() as conn:
         assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
