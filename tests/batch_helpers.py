@@ -61,16 +61,20 @@ def store_queued_lines(session_factory: Any, model: str, indexes: list[int], *,
 
 
 @contextmanager
-def statements_sent(engine: Any, this_thread: bool = False) -> Iterator[list[str]]:
+def statements_sent(engine: Any, this_thread: bool = False,
+                    parameters: list[Any] | None = None) -> Iterator[list[str]]:
     """The SQL statements `engine` sends while the block runs, in order (with
     `this_thread`, only those of the thread that entered: an app's background threads
-    read too)."""
+    read too); `parameters`, when given, receives each one's parameters in the same order."""
     statements: list[str] = []
     me = threading.get_ident()
 
-    def record(conn: Any, cursor: Any, statement: str, *rest: Any) -> None:
+    def record(conn: Any, cursor: Any, statement: str, sent_parameters: Any,
+               *rest: Any) -> None:
         if not this_thread or threading.get_ident() == me:
             statements.append(statement)
+            if parameters is not None:
+                parameters.append(sent_parameters)
 
     event.listen(engine, "before_cursor_execute", record)
     try:

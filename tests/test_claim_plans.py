@@ -17,11 +17,11 @@ from datetime import timedelta
 from typing import Any
 
 from psycopg import sql
-from sqlalchemy import delete, event, text
+from sqlalchemy import delete, text
 
 from tasks.db import make_sessionmaker, utcnow
 from tasks.models import Batch, Job
-from tests.batch_helpers import store_queued_lines
+from tests.batch_helpers import statements_sent, store_queued_lines
 from tests.pipeline_helpers import insert_job
 from webapp.batch_validation import refresh_statistics
 from workers.claims import JobClaims, create_claims_engine
@@ -47,19 +47,11 @@ def _rows_read(scan: dict[str, Any]) -> int:
 
 def _sent(engine: Any, statement: Any, params: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """The SQL and parameters `statement` goes to Postgres as (run, then rolled back)."""
-    sent: list[tuple[str, dict[str, Any]]] = []
-
-    def record(conn: Any, cursor: Any, sql_text: str, parameters: Any, *rest: Any) -> None:
-        sent.append((sql_text, dict(parameters)))
-
-    event.listen(engine, "before_cursor_execute", record)
-    try:
-        with engine.connect() as conn:
-            conn.execute(statement, params)
-            conn.rollback()
-    finally:
-        event.remove(engine, "before_cursor_execute", record)
-    return sent[-1]
+    parameters: list[Any] = []
+    with statements_sent(engine, parameters=parameters) as sent, engine.connect() as conn:
+        conn.execute(statement, params)
+        conn.rollback()
+    return sent[-1], dict(parameters[-1])
 
 
 def _explained(session_factory: Any, statement: Any, params: dict[str, Any],
