@@ -257,6 +257,10 @@ def main() -> None:
               f"{runner.panel_row_streams} panel(s) at once (ms per one-row pass timed at "
               "start-up, by panels at once: " + ", ".join(
                   f"{n} {t * 1e3:.2f}" for n, t in runner.panel_streams_probe.items()) + ")")
+    if runner.row_streams_probe:
+        print(f"one-row calls on bf16 weights read {runner.row_streams} weight row(s) at once "
+              "(ms per one-row pass timed at start-up, by rows at once: " + ", ".join(
+                  f"{n} {t * 1e3:.2f}" for n, t in runner.row_streams_probe.items()) + ")")
     print(f"weights in transparent huge pages: {runner.huge_page_bytes / 1e6:.0f} MB "
           f"({huge_pages.SETTING_ENV}={huge_pages.setting()}, the kernel's mode "
           f"{huge_pages.thp_mode() or 'unknown'}; the bandwidths below count the faster of "

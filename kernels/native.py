@@ -98,6 +98,9 @@ class _Library:
         lib.llmq_skinny_isa.restype = ctypes.c_char_p
         lib.llmq_skinny_set_row_prefetch.argtypes = [i64]
         lib.llmq_skinny_set_row_prefetch.restype = None
+        lib.llmq_skinny_set_row_streams.argtypes = [i64]
+        lib.llmq_skinny_set_row_streams.restype = None
+        self.set_row_streams = lib.llmq_skinny_set_row_streams
         self.set_row_prefetch = lib.llmq_skinny_set_row_prefetch
         self.by_dtype = {torch.float32: lib.llmq_skinny_f32,
                          torch.bfloat16: lib.llmq_skinny_bf16}
@@ -318,13 +321,48 @@ def time_row_prefetch(weights: list[torch.Tensor], choices: tuple[int, ...] = RO
     """Per prefetch distance, the median seconds of a one-row pass over `weights` on the
     native kernel (the choices alternated, `timing.alternated_medians`). Leaves the
     distance at the first choice; the caller sets the one it keeps."""
+    return _time_choices(_one_row_pass(weights), choices, rounds, set_row_prefetch)
+
+
+def _one_row_pass(weights: list[torch.Tensor]) -> Callable[[], None]:
+    """A one-row `skinny_linear` over each of `weights`."""
     xs = [torch.randn(1, w.shape[1], dtype=w.dtype) for w in weights]
 
     def one_row_pass() -> None:
         for x, w in zip(xs, weights):
             skinny_linear(x, w)
 
-    return _time_choices(one_row_pass, choices, rounds, set_row_prefetch)
+    return one_row_pass
+
+
+# How many bf16 weight rows a one-row call reads side by side on the AVX2 builds (bf16
+# widened as it streams; skinny.c `streams_bf16f`), first the build's default (one): the
+# start-up timing (`time_row_streams`) keeps the fastest. Other builds read one.
+MAX_ROW_STREAMS = 3
+ROW_STREAMS_CHOICES = (1, 2, 3)
+
+
+def row_streams_tunable() -> bool:
+    """True when this CPU's build takes `set_row_streams` (its AVX2 bf16 one-row body)."""
+    return isa() == "avx2"
+
+
+def set_row_streams(streams: int) -> None:
+    """How many bf16 weight rows one-row calls read at once (1..MAX_ROW_STREAMS), for
+    every later call in this process (a build other than AVX2 ignores it)."""
+    library = _loaded()
+    if not 1 <= streams <= MAX_ROW_STREAMS:
+        raise ValueError(f"one-row calls read 1 to {MAX_ROW_STREAMS} weight rows at once, "
+                         f"not {streams}")
+    library.set_row_streams(streams)
+
+
+def time_row_streams(weights: list[torch.Tensor], choices: tuple[int, ...] = ROW_STREAMS_CHOICES,
+                     rounds: int = 11) -> dict[int, float]:
+    """Per number of weight rows read side by side, the median seconds of a one-row pass
+    over the bf16 `weights` (as for `time_row_prefetch`). Leaves the first choice set;
+    the caller sets the one it keeps."""
+    return _time_choices(_one_row_pass(weights), choices, rounds, set_row_streams)
 
 
 def _time_choices(one_row_pass: Callable[[], None], choices: tuple[int, ...], rounds: int,

@@ -319,6 +319,88 @@ def test_reading_panels_side_by_side_changes_no_bits():
         native.set_panel_row_prefetch(native.NEXT_PANEL)
 
 
+def test_reading_bf16_weight_rows_side_by_side_changes_no_bits():
+    """A one-row bf16 call on an AVX2 build reads 1..3 weight rows at once as set, each
+    output the same sum in the same order (with a bias, a K with a tail past the 16- and
+    32-weight steps, threads holding fewer rows than streams); calls of more rows are
+    unchanged; 0 and 4 are refused. (Other builds take the setting and read one.)"""
+    gen = torch.Generator().manual_seed(13)
+    shapes = ((1000, 768), (997, 775), (5, 40), (2, 300))
+    weights = [torch.randn(n, k, generator=gen).to(torch.bfloat16) for n, k in shapes]
+    biases = [torch.randn(n, generator=gen).to(torch.bfloat16) for n, _ in shapes]
+    xs = [torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+          for _, k in shapes for rows in (1, 3)]
+
+    def calls() -> list[torch.Tensor]:
+        return [native.skinny_linear(x, w, b) for x, (w, b) in zip(
+            xs, [pair for pair in zip(weights, biases) for _ in (1, 3)])]
+
+    # rows whose sum depends on the order its partial sums are added in (bf16 outputs
+    # round most other differences away): 2^26 and -2^26 in the first two sums a step
+    # holds, 1 in the third; added as the one-row body adds them, 1; otherwise 0
+    crafted = torch.zeros(1000, 768)
+    for row in (0, 1, 333, 500, 666, 998, 999):
+        crafted[row, 0], crafted[row, 1], crafted[row, 16] = 2.0 ** 26, -(2.0 ** 26), 1.0
+    crafted = crafted.to(torch.bfloat16)
+    ones = torch.ones(1, 768, dtype=torch.bfloat16)
+    want = calls()
+    for x, w, b, out in zip(xs[::2], weights, biases, want[::2]):
+        ref = x.float() @ w.float().T + b.float()
+        assert torch.allclose(out.float(), ref, atol=0.05, rtol=0.02)
+    want_crafted = native.skinny_linear(ones, crafted)
+    assert want_crafted[0, [0, 1, 333, 500, 666, 998, 999]].tolist() == [1.0] * 7
+    try:
+        for streams in range(1, native.MAX_ROW_STREAMS + 1):
+            native.set_row_streams(streams)
+            got = calls()
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), streams
+            assert torch.equal(native.skinny_linear(ones, crafted), want_crafted), streams
+        for bad in (0, native.MAX_ROW_STREAMS + 1):
+            with pytest.raises(ValueError, match=str(bad)):
+                native.set_row_streams(bad)
+        times = native.time_row_streams(weights[:1], rounds=2)
+        assert set(times) == set(native.ROW_STREAMS_CHOICES) and all(
+            t > 0 for t in times.values())
+    finally:
+        native.set_row_streams(1)
+
+
+def test_the_runner_keeps_the_fastest_bf16_row_streams(tiny_qwen3_tied_dir, monkeypatch):
+    """On an AVX2 build (this CPU's, or the x86-64-v3 build) `auto` times one-row passes
+    over the bf16 weights per number of rows read at once and keeps the fastest; fp32
+    weights (in panels), a fixed path or another build: nothing."""
+    import platform
+
+    from workers.engine.loader import load_checkpoint
+    from workers.engine.model_runner import ModelRunner
+
+    if native.isa() != "avx2":
+        if platform.machine() != "x86_64":
+            pytest.skip("the baseline builds are for x86_64")
+        baseline = native.build("x86-64-v3")
+        assert baseline is not None
+        monkeypatch.setattr(native, "_library", lambda: baseline)
+    monkeypatch.setenv("LLMQ_LINEAR_PATH", "auto")
+    chosen = []
+    monkeypatch.setattr(native, "set_row_streams",
+                        lambda n, set_=native.set_row_streams: (chosen.append(n), set_(n)))
+    try:
+        bf16 = ModelRunner(load_checkpoint(tiny_qwen3_tied_dir, dtype="bfloat16"),
+                           kv_cache_bytes=1 << 20)
+        times = bf16.row_streams_probe
+        assert set(times) == set(native.ROW_STREAMS_CHOICES)
+        assert bf16.row_streams == min(times, key=times.get) == chosen[-1]
+        fp32 = ModelRunner(load_checkpoint(tiny_qwen3_tied_dir, dtype="float32"),
+                           kv_cache_bytes=1 << 20)
+        assert fp32.row_streams_probe == {} and fp32.row_streams is None
+        monkeypatch.setenv("LLMQ_LINEAR_PATH", "native")
+        fixed = ModelRunner(load_checkpoint(tiny_qwen3_tied_dir, dtype="bfloat16"),
+                            kv_cache_bytes=1 << 20)
+        assert fixed.row_streams_probe == {} and fixed.row_streams is None
+    finally:
+        native.set_row_streams(1)
+
+
 def test_the_runner_keeps_the_fastest_panel_row_prefetch(tiny_qwen3_tied_dir, monkeypatch):
     """With fp32 weights in panels, `auto` times one-row passes on them per way of
     prefetching and keeps the fastest; without panels, or on a fixed path, nothing."""
@@ -657,6 +739,7 @@ def test_the_builds_for_other_x86_cpus_equal_the_references(monkeypatch, march, 
     for shape in ((1, 7, 5), (5, 100, 768), (13, 97, 48), (25, 130, 96), (70, 65, 40)):
         test_panels_equal_the_exact_product(*shape)
     test_reading_panels_side_by_side_changes_no_bits()
+    test_reading_bf16_weight_rows_side_by_side_changes_no_bits()
     for dtype in (torch.float32, torch.bfloat16):
         test_the_step_ops_equal_the_references(dtype)
         test_decode_attention_and_the_kv_store_equal_the_references(dtype)
@@ -724,6 +807,15 @@ def test_decode_steps_in_one_native_call_equal_the_layer_loop_bit_for_bit(
             length[i] += 1
     fused = _step_logits(runner, steps)
     assert calls == [False, True, True, True, True, True]
+    if dtype == "bfloat16" and native.isa() == "avx2":
+        # the one-row steps with their bf16 weight rows read three at a time: the same
+        try:
+            native.set_row_streams(native.MAX_ROW_STREAMS)
+            side_by_side = _step_logits(runner, steps)
+        finally:
+            native.set_row_streams(1)
+        for step, (a, b) in enumerate(zip(fused, side_by_side)):
+            assert torch.equal(a, b), f"step {step}, rows side by side: {(a - b).abs().max()}"
     runner.model.model.native_decoder = None
     loop = _step_logits(runner, steps)
     for step, (a, b) in enumerate(zip(fused, loop)):

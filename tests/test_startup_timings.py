@@ -27,8 +27,8 @@ def timings_dir(tmp_path, monkeypatch):
     return tmp_path / "timings"
 
 
-def _runner(model_dir, **kwargs) -> ModelRunner:
-    return ModelRunner(load_checkpoint(model_dir, dtype="float32"), kv_cache_bytes=1 << 20,
+def _runner(model_dir, dtype: str = "float32", **kwargs) -> ModelRunner:
+    return ModelRunner(load_checkpoint(model_dir, dtype=dtype), kv_cache_bytes=1 << 20,
                        **kwargs)
 
 
@@ -40,6 +40,7 @@ def _no_timing(monkeypatch) -> None:
     monkeypatch.setattr(native, "time_row_prefetch", refuse)
     monkeypatch.setattr(native, "time_panel_row_prefetch", refuse)
     monkeypatch.setattr(native, "time_panel_row_streams", refuse)
+    monkeypatch.setattr(native, "time_row_streams", refuse)
     monkeypatch.setattr(runner_module, "alternated_medians", refuse)
 
 
@@ -57,12 +58,14 @@ def _logits(runner: ModelRunner) -> torch.Tensor:
 
 def _plan(runner: ModelRunner) -> tuple:
     return (runner.linear_path, runner.plain_rows, runner.skinny_rows, runner.decoder_rows,
-            runner.row_prefetch, runner.panel_row_prefetch, runner.panel_row_streams)
+            runner.row_prefetch, runner.panel_row_prefetch, runner.panel_row_streams,
+            runner.row_streams)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_second_start_reads_the_first_ones_timings_and_plans_the_same(
-        tiny_qwen3_tied_dir, timings_dir, monkeypatch, caplog):
-    first = _runner(tiny_qwen3_tied_dir)
+        tiny_qwen3_tied_dir, timings_dir, monkeypatch, caplog, dtype):
+    first = _runner(tiny_qwen3_tied_dir, dtype)
     assert first.linear_probe, "the first start timed nothing"
     files = list(timings_dir.glob("*.json"))
     assert files == [first.timings_cache.path]
@@ -72,13 +75,14 @@ def test_a_second_start_reads_the_first_ones_timings_and_plans_the_same(
 
     _no_timing(monkeypatch)
     with caplog.at_level(logging.INFO, logger="workers.engine.model_runner"):
-        second = _runner(tiny_qwen3_tied_dir)
+        second = _runner(tiny_qwen3_tied_dir, dtype)
     assert "start-up timings read from" in caplog.text
     assert second.linear_probe == first.linear_probe
     assert second.decoder_probe == first.decoder_probe
     assert second.row_prefetch_probe == first.row_prefetch_probe
     assert second.panel_prefetch_probe == first.panel_prefetch_probe
     assert second.panel_streams_probe == first.panel_streams_probe
+    assert second.row_streams_probe == first.row_streams_probe
     assert _plan(second) == _plan(first)
     assert torch.equal(_logits(second), expected_logits)
 

@@ -39,4 +39,19 @@ void llmq_pack_panels_f32(const float *w, float *wp, int64_t N, int64_t K, int t
 int llmq_panels_f32(const float *x, const float *wp, const float *bias, float *y, int64_t M,
                     int64_t N, int64_t K, int64_t ldx, int threads);
 
+/* Reading S runs side by side (panels.c's panels, skinny.c's bf16 weight rows): a
+ * thread's items [first, end) split into S runs of `llmq_run_length` items; step i takes
+ * the i-th item of each run that has one, into picked[], and returns how many. */
+static inline int64_t llmq_run_length(int64_t first, int64_t end, int64_t S) {
+    return (end - first + S - 1) / S;
+}
+static inline int llmq_runs_step(int64_t first, int64_t end, int64_t S, int64_t i,
+                                 int64_t *picked) {
+    int64_t per = llmq_run_length(first, end, S);
+    int n = 0;
+    for (int64_t s = 0; s < S; ++s)
+        if (first + s * per + i < end) picked[n++] = first + s * per + i;
+    return n;
+}
+
 #endif

@@ -290,18 +290,11 @@ int llmq_panels_f32(const float *x, const float *wp, const float *bias, float *y
         if (S > row_streams) S = row_streams;
         if (S > 1) {
             /* the thread's panels in S runs; step i reads the i-th of each */
-            int64_t per = (end - first + S - 1) / S;
+            int64_t per = llmq_run_length(first, end, S), ps[MAX_STREAMS];
             for (int64_t i = 0; i < per; ++i) {
                 const float *wps[MAX_STREAMS];
-                int64_t ps[MAX_STREAMS];
-                int n = 0;
-                for (int64_t s = 0; s < S; ++s) {
-                    int64_t p = first + s * per + i;
-                    if (p < end) {
-                        ps[n] = p;
-                        wps[n++] = wp + p * K * NP;
-                    }
-                }
+                int n = llmq_runs_step(first, end, S, i, ps);
+                for (int s = 0; s < n; ++s) wps[s] = wp + ps[s] * K * NP;
                 panel_streams_any(xs, M, wps, n, K, out, row_prefetch > 0 ? row_prefetch : 0);
                 for (int s = 0; s < n; ++s) put_panel(y, out + s * M * NP, M, ps[s], N, bias);
             }

@@ -63,6 +63,13 @@ static int64_t row_prefetch = PREFETCH_BYTES;
  * calls, not during one */
 void llmq_skinny_set_row_prefetch(int64_t bytes) { row_prefetch = bytes < 0 ? 0 : bytes; }
 
+/* weight rows a one-row bf16 call on AVX2 reads side by side (1 to 3; other builds keep
+ * one): set between calls, not during one (llmq_skinny_set_row_streams) */
+static int64_t row_streams = 1;
+void llmq_skinny_set_row_streams(int64_t streams) {
+    row_streams = streams < 1 ? 1 : streams > 3 ? 3 : streams;
+}
+
 /* the first PREFETCH_BYTES of a run of `bytes`, asked for together */
 static inline void prefetch_run(const void *start, int64_t bytes) {
     const char *p = start;
@@ -189,6 +196,56 @@ static ALWAYS_INLINE void block_bf16f_rows(const float *x, const uint16_t *w, fl
                                               _mm256_add_ps(acc[i][2], acc[i][3])));
         for (int64_t j = k; j < K; ++j) sum += x[i * ldx + j] * bf16_to_float(w[j]);
         out[i] = sum;
+    }
+}
+
+/* One row of x against `S` weight rows at once (ws[s]: row s), out[s] their sums: the
+ * one-row bf16 body read side by side. A thread's weight rows split into S runs and a
+ * call takes the i-th row of each, so the memory sees S sequential streams where one
+ * thread's single stream leaves it waiting between misses (the fp32 panels do the same,
+ * panels.c). Each sum is block_bf16f_rows' with one row: four sums over 32 weights a
+ * step, then two over 16, then one weight at a time, added up in the same order. */
+#define MAX_ROW_STREAMS 3 /* 4 sums a row: 12 of the 16 registers */
+static ALWAYS_INLINE void streams_bf16f(const float *x, const uint16_t *const *ws, float *out,
+                                        int64_t K, int S) {
+    __m256 acc[MAX_ROW_STREAMS][4];
+    for (int s = 0; s < S; ++s)
+        for (int j = 0; j < 4; ++j) acc[s][j] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 2 * PAIRED <= K; k += 2 * PAIRED)
+        for (int s = 0; s < S; ++s) {
+            const uint16_t *w = ws[s];
+            PREFETCH_LINE((const char *)(w + k) + PREFETCH_ROW_BYTES);
+            __m256 e0, o0, e1, o1;
+            load_bf16_paired(w + k, &e0, &o0);
+            load_bf16_paired(w + k + PAIRED, &e1, &o1);
+            acc[s][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), e0, acc[s][0]);
+            acc[s][1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), o0, acc[s][1]);
+            acc[s][2] = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 16), e1, acc[s][2]);
+            acc[s][3] = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 24), o1, acc[s][3]);
+        }
+    for (; k + PAIRED <= K; k += PAIRED)
+        for (int s = 0; s < S; ++s) {
+            __m256 e, o;
+            load_bf16_paired(ws[s] + k, &e, &o);
+            acc[s][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), e, acc[s][0]);
+            acc[s][1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), o, acc[s][1]);
+        }
+    for (int s = 0; s < S; ++s) {
+        float sum = reduce_add8(_mm256_add_ps(_mm256_add_ps(acc[s][0], acc[s][1]),
+                                              _mm256_add_ps(acc[s][2], acc[s][3])));
+        for (int64_t j = k; j < K; ++j) sum += x[j] * bf16_to_float(ws[s][j]);
+        out[s] = sum;
+    }
+}
+
+/* streams_bf16f with S a constant: its sums stay in registers */
+static void streams_bf16f_any(const float *x, const uint16_t *const *ws, float *out,
+                              int64_t K, int S) {
+    switch (S) {
+    case 1: streams_bf16f(x, ws, out, K, 1); break;
+    case 2: streams_bf16f(x, ws, out, K, 2); break;
+    default: streams_bf16f(x, ws, out, K, MAX_ROW_STREAMS); break;
     }
 }
 
@@ -642,6 +699,33 @@ static int skinny_bf16_amx(const uint16_t *x, const uint16_t *w, const uint16_t 
 }
 #endif
 
+#if defined(SKINNY_AVX2)
+/* One row of x (xf, widened) against the bf16 weight w [N, K]: each thread's weight rows
+ * in `row_streams` runs read side by side (streams_bf16f). */
+static void rows_side_by_side_bf16(const float *xf, const uint16_t *w, const uint16_t *bias,
+                                   uint16_t *y, int64_t N, int64_t K, int threads) {
+    if (N * K < SERIAL_ELEMENTS) threads = 1;
+    const int S = (int)row_streams;
+    _Pragma("omp parallel num_threads(threads)")
+    {
+        int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
+        int64_t first = N * me / team, end = N * (me + 1) / team;
+        int64_t per = llmq_run_length(first, end, S), rows[MAX_ROW_STREAMS];
+        for (int s = 0; s < S && first + s * per < end; ++s) /* each run's start */
+            prefetch_run(w + (first + s * per) * K, PREFETCH_BYTES / S);
+        for (int64_t i = 0; i < per; ++i) {
+            const uint16_t *ws[MAX_ROW_STREAMS];
+            int n = llmq_runs_step(first, end, S, i, rows);
+            for (int s = 0; s < n; ++s) ws[s] = w + rows[s] * K;
+            float part[MAX_ROW_STREAMS];
+            streams_bf16f_any(xf, ws, part, K, n);
+            for (int s = 0; s < n; ++s)
+                y[rows[s]] = float_to_bf16(part[s] + (bias ? bf16_to_float(bias[rows[s]]) : 0.f));
+        }
+    }
+}
+#endif
+
 #if defined(SKINNY_AVX2) || defined(SKINNY_WIDEN_X)
 /* x [M, K] (row stride ldx) widened to fp32 into xf [M, K]; on AVX2 each whole block of
  * PAIRED elements as its even elements, then its odd ones: the order load_bf16_paired
@@ -691,6 +775,10 @@ void llmq_skinny_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias
         widen_x(x, ldx, M, K, xf);
         if (M >= 2)
             SKINNY_LOOP(tile_bf16f, block_bf16f, NR_WIDE, xf, K, bf16_to_float, float_to_bf16);
+#if defined(SKINNY_AVX2)
+        else if (row_streams > 1)
+            rows_side_by_side_bf16(xf, w, bias, y, N, K, threads);
+#endif
         else
             SKINNY_LOOP(block_bf16f, block_bf16f, 1, xf, K, bf16_to_float, float_to_bf16);
         free(xf);

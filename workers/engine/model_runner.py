@@ -134,6 +134,9 @@ class ModelRunner:
         self.panel_prefetch_probe: dict[int, float] = {}
         # then per number of panels such a call reads side by side (the fastest is kept)
         self.panel_streams_probe: dict[int, float] = {}
+        # per number of bf16 weight rows a one-row call reads side by side on an AVX2
+        # build, the seconds of a one-row pass (the fastest is kept)
+        self.row_streams_probe: dict[int, float] = {}
         # where the start-up timings are kept (`LLMQ_TIMINGS_CACHE`; None: not kept), and
         # the timings an earlier start of this model on this machine stored there
         self.timings_cache: TimingsCache | None = None
@@ -158,6 +161,8 @@ class ModelRunner:
             # (the panels have their own prefetch: fp32 then leaves the one-row bodies)
             if path == "auto" and native.row_prefetch_tunable() and not self.panel_weights:
                 self._choose_row_prefetch(cached)
+            if path == "auto" and native.row_streams_tunable():
+                self._choose_row_streams(cached)
             if path == "auto" and self.panel_weights:
                 self._choose_panel_row_prefetch(cached)
                 self._choose_panel_row_streams(cached)
@@ -191,7 +196,7 @@ class ModelRunner:
         if self.timings_cache is not None and cached is None and self.linear_probe:
             self.timings_cache.store(StartupTimings(
                 self.linear_probe, self.row_prefetch_probe, self.decoder_probe,
-                self.panel_prefetch_probe, self.panel_streams_probe))
+                self.panel_prefetch_probe, self.panel_streams_probe, self.row_streams_probe))
         dispatch.log_choices(self.device.type)
         logger.info("KV cache: %d blocks of %d tokens (%d bytes each) on %s", num_blocks,
                     block_size, self._bytes_per_block, self.device)
@@ -245,6 +250,27 @@ class ModelRunner:
         self.row_prefetch_probe = _keep_fastest(
             None if cached is None else cached.row_prefetch_probe, measure,
             native.set_row_prefetch, "with the native kernel prefetching N bytes ahead")
+
+    def _choose_row_streams(self, cached: StartupTimings | None = None) -> None:
+        """Time one-row passes over the model's bf16 weights (where they now live) reading
+        1, 2 or 3 weight rows side by side (`native.ROW_STREAMS_CHOICES`; the AVX2 bf16
+        body) and keep the fastest for the process. Zen 3: docs/benchmarks.md. Nothing
+        to time where the weights are not bf16. With `cached`, an earlier start's
+        figures instead."""
+        def measure() -> dict[int, float]:
+            weights = [w for w in probe_weights(self.model, beside_packed=True)
+                       if w.dtype == torch.bfloat16 and native.supports(w)]
+            return native.time_row_streams(weights) if weights else {}
+
+        self.row_streams_probe = _keep_fastest(
+            None if cached is None else cached.row_streams_probe, measure,
+            native.set_row_streams, "on bf16 weights reading N weight rows at once")
+
+    @property
+    def row_streams(self) -> int | None:
+        """How many bf16 weight rows one-row calls read at once, as the start-up timing
+        kept (None: nothing was timed; one)."""
+        return _fastest(self.row_streams_probe)
 
     @property
     def row_prefetch(self) -> int | None:

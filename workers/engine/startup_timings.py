@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 TIMINGS_CACHE_ENV = "LLMQ_TIMINGS_CACHE"
 # bumped when the stored figures change meaning
-FORMAT = 3
+FORMAT = 4
 # the sources whose code is timed or decides what is timed: an edit times again
 _PACKAGE_ROOTS = (Path(__file__).resolve().parents[1] / "engine",
                   Path(__file__).resolve().parents[2] / "kernels")
@@ -52,13 +52,15 @@ class StartupTimings:
     a one-row pass (`row_prefetch_probe`); per row count, a decode step's seconds on the
     plan's paths and with the native decoder (`decoder_probe`); per prefetch choice, the
     seconds of a one-row pass on fp32 panels (`panel_prefetch_probe`); per number of
-    panels read side by side, the same (`panel_streams_probe`)."""
+    panels read side by side, the same (`panel_streams_probe`); per number of bf16 weight
+    rows read side by side, a one-row pass's (`row_streams_probe`)."""
 
     linear_probe: dict[int, dict[str, float]] = field(default_factory=dict)
     row_prefetch_probe: dict[int, float] = field(default_factory=dict)
     decoder_probe: dict[int, dict[str, float]] = field(default_factory=dict)
     panel_prefetch_probe: dict[int, float] = field(default_factory=dict)
     panel_streams_probe: dict[int, float] = field(default_factory=dict)
+    row_streams_probe: dict[int, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {"linear_probe": {str(m): t for m, t in self.linear_probe.items()},
@@ -67,7 +69,8 @@ class StartupTimings:
                 "panel_prefetch_probe": {str(n): t
                                          for n, t in self.panel_prefetch_probe.items()},
                 "panel_streams_probe": {str(n): t
-                                        for n, t in self.panel_streams_probe.items()}}
+                                        for n, t in self.panel_streams_probe.items()},
+                "row_streams_probe": {str(n): t for n, t in self.row_streams_probe.items()}}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> StartupTimings:
@@ -96,7 +99,8 @@ class StartupTimings:
                    row_prefetch_probe=by_choice(data["row_prefetch_probe"]),
                    decoder_probe=by_path(data["decoder_probe"], {"plan", "decoder"}),
                    panel_prefetch_probe=by_choice(data["panel_prefetch_probe"]),
-                   panel_streams_probe=by_choice(data["panel_streams_probe"]))
+                   panel_streams_probe=by_choice(data["panel_streams_probe"]),
+                   row_streams_probe=by_choice(data["row_streams_probe"]))
 
 
 def cache_dir() -> Path | None:
