@@ -102,7 +102,7 @@ def cmd_db_upgrade(args: argparse.Namespace) -> int:
 
     url = database_url_of(args)
     try:
-        applied = upgrade_database(url)
+        applied = upgrade_database(url, quiet=True)  # said below, in its own words
         revision = current_revision(url)
     except sqlalchemy.exc.DBAPIError as exc:
         reason = str(exc.orig).strip().splitlines()[0] if exc.orig else type(exc).__name__

@@ -191,19 +191,24 @@ class AppliedMigration:
     title: str
 
     def __str__(self) -> str:
-        return f"{self.down_revision or ''} -> {self.revision}, {self.title}"
+        start = f"{self.down_revision} " if self.down_revision else ""
+        return f"{start}-> {self.revision}, {self.title}"
 
 
 def current_revision(url: str) -> str | None:
     """The schema revision the database at `url` is at (None: no schema yet)."""
     from alembic.migration import MigrationContext
 
+    migration_log = logging.getLogger("alembic.runtime.migration")
+    level = migration_log.level
+    migration_log.setLevel(logging.WARNING)  # a look, not news ("Context impl ...")
     engine = create_db_engine(url)
     try:
         with engine.connect() as conn:
             return MigrationContext.configure(conn).get_current_revision()
     finally:
         engine.dispose()
+        migration_log.setLevel(level)
 
 
 def upgrade_database(url: str, *, quiet: bool = False) -> list[AppliedMigration]:
