@@ -252,9 +252,7 @@ def upgrade_database(url: str, *, quiet: bool = False) -> list[AppliedMigration]
 def check_schema(url: str, upgrade_command: str = "llmq db upgrade") -> None:
     """Raise `DatabaseNotReady` unless the database at `url` exists, answers and is at the
     newest schema. Never creates anything (a missing SQLite file stays missing)."""
-    for name in ("alembic.runtime.plugins", "alembic.runtime.migration"):
-        logging.getLogger(name).setLevel(logging.WARNING)  # a check, not news
-    from alembic.migration import MigrationContext
+    logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)  # a check, not news
     from alembic.script import ScriptDirectory
 
     where = _redact(url)
@@ -262,15 +260,11 @@ def check_schema(url: str, upgrade_command: str = "llmq db upgrade") -> None:
     if path is not None and not path.exists():
         raise DatabaseNotReady(f"no database at {path.resolve()}: run `{upgrade_command}` "
                                "first (or start `llmq up` on the same state directory)")
-    engine = create_db_engine(url)
     try:
-        with engine.connect() as conn:
-            current = MigrationContext.configure(conn).get_current_revision()
+        current = current_revision(url)
     except sqlalchemy.exc.DBAPIError as exc:
         reason = str(exc.orig).strip().splitlines()[0] if exc.orig else type(exc).__name__
         raise DatabaseNotReady(f"cannot reach the database at {where}: {reason}") from None
-    finally:
-        engine.dispose()
     head = ScriptDirectory.from_config(alembic_config(url)).get_current_head()
     if current != head:
         raise DatabaseNotReady(
