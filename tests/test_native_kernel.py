@@ -337,7 +337,8 @@ def test_reading_bf16_weight_rows_side_by_side_changes_no_bits():
 
     # rows whose sum depends on the order its partial sums are added in (bf16 outputs
     # round most other differences away): 2^26 and -2^26 in the first two sums a step
-    # holds, 1 in the third; added as the one-row body adds them, 1; otherwise 0
+    # holds, 1 in the third; added as the AVX2 one-row body adds them, 1; otherwise 0
+    # (the other builds' bodies add in another order, the same for every setting)
     crafted = torch.zeros(1000, 768)
     for row in (0, 1, 333, 500, 666, 998, 999):
         crafted[row, 0], crafted[row, 1], crafted[row, 16] = 2.0 ** 26, -(2.0 ** 26), 1.0
@@ -348,7 +349,8 @@ def test_reading_bf16_weight_rows_side_by_side_changes_no_bits():
         ref = x.float() @ w.float().T + b.float()
         assert torch.allclose(out.float(), ref, atol=0.05, rtol=0.02)
     want_crafted = native.skinny_linear(ones, crafted)
-    assert want_crafted[0, [0, 1, 333, 500, 666, 998, 999]].tolist() == [1.0] * 7
+    if native.row_streams_tunable():
+        assert want_crafted[0, [0, 1, 333, 500, 666, 998, 999]].tolist() == [1.0] * 7
     try:
         for streams in range(1, native.MAX_ROW_STREAMS + 1):
             native.set_row_streams(streams)
