@@ -63,11 +63,12 @@ static int64_t row_prefetch = PREFETCH_BYTES;
  * calls, not during one */
 void llmq_skinny_set_row_prefetch(int64_t bytes) { row_prefetch = bytes < 0 ? 0 : bytes; }
 
-/* weight rows a one-row bf16 call on AVX2 reads side by side (1 to 3; other builds keep
- * one): set between calls, not during one (llmq_skinny_set_row_streams) */
+/* weight rows a one-row bf16 call on AVX2 reads side by side (1 to MAX_ROW_STREAMS;
+ * other builds keep one): set between calls, not during one (llmq_skinny_set_row_streams) */
+#define MAX_ROW_STREAMS 3 /* streams_bf16f: 4 sums a row, 12 of the 16 registers */
 static int64_t row_streams = 1;
 void llmq_skinny_set_row_streams(int64_t streams) {
-    row_streams = streams < 1 ? 1 : streams > 3 ? 3 : streams;
+    row_streams = streams < 1 ? 1 : streams > MAX_ROW_STREAMS ? MAX_ROW_STREAMS : streams;
 }
 
 /* the first PREFETCH_BYTES of a run of `bytes`, asked for together */
@@ -205,7 +206,6 @@ static ALWAYS_INLINE void block_bf16f_rows(const float *x, const uint16_t *w, fl
  * thread's single stream leaves it waiting between misses (the fp32 panels do the same,
  * panels.c). Each sum is block_bf16f_rows' with one row: four sums over 32 weights a
  * step, then two over 16, then one weight at a time, added up in the same order. */
-#define MAX_ROW_STREAMS 3 /* 4 sums a row: 12 of the 16 registers */
 static ALWAYS_INLINE void streams_bf16f(const float *x, const uint16_t *const *ws, float *out,
                                         int64_t K, int S) {
     __m256 acc[MAX_ROW_STREAMS][4];
