@@ -375,11 +375,12 @@ def test_a_worker_killed_mid_batch_loses_no_line(start_web, service_settings, re
     worker.terminate()  # the module's worker would take the requeued jobs: not this time
     base_url = start_web(service_settings)
     client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
-    # the first line ends long before the others, so lines are mid-run at the kill
+    # the first line ends long before the others, so lines are mid-run at the kill: the
+    # victim runs two at a time (with eight, a fast CPU ends all 20 before the first poll)
     lines = [_chat_line(f"k{i}", f"verse {i}", max_tokens=4 if i == 0 else 400)
              for i in range(20)]
     victim = WorkerProcess(service_settings, f"victim-{uuid.uuid4().hex[:4]}", tmp_path,
-                           args=WORKER_ARGS)
+                           args=["--max-num-seqs", "2", *WORKER_ARGS[2:]])
     try:
         victim.wait_ready(redis_client)
         batch = client.batches.create(input_file_id=_upload(client, lines).id,
@@ -388,6 +389,8 @@ def test_a_worker_killed_mid_batch_loses_no_line(start_web, service_settings, re
         wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 1,
                  120, "a first line done")
         victim.kill()
+        at_kill = client.batches.retrieve(batch.id).request_counts
+        assert at_kill.completed < len(lines), "every line ended before the kill"
     finally:
         victim.terminate()
     with Beat(service_settings, session_factory), running_worker(
