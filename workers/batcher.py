@@ -144,6 +144,10 @@ class Batcher:
         self.nice = nice
         self._inbox = JobInbox(capacity)
         self._jobs: dict[str, JobState] = {}  # batcher thread only
+        # the jobs among them whose token events go out by the interval rule (held tokens
+        # are due by the clock, so each step looks at them); may keep ids that left
+        self._timed: dict[str, JobState] = {}
+        self._next_due_check = 0.0  # time.monotonic() from which _emit looks at them again
         self._num_steps = 0
         # (EngineStats fields, time.time() read): replaced whole, never changed in place
         self._engine_stats: tuple[dict[str, Any], float] = ({}, 0.0)
@@ -313,6 +317,8 @@ class Batcher:
                 self._drop_lost({(job.job_id, older.job.attempt)})
             state = JobState(job, self._coalescer(job))
             self._jobs[job.job_id] = state
+            if state.coalescer is not None and state.coalescer.interval > 0:
+                self._timed[job.job_id] = state
             if job.job_id in cancelled:
                 logger.info("job %s cancelled before it started", job.job_id)
                 state.cancel_all()
@@ -414,7 +420,7 @@ class Batcher:
             event = state.apply(delta, clock)
             if event is not None:
                 events.append((state.job.job_id, event))
-            if state.all_finished:
+            if delta.finished and state.all_finished:
                 self._finish(state, events)
 
     def _fail(self, state: JobState, reason: str, events: list[tuple[str, JobEvent]],
@@ -432,17 +438,26 @@ class Batcher:
 
     def _emit(self, events: list[tuple[str, JobEvent]]) -> None:
         """Send this step's events (one publish call); its finished results follow them."""
-        if self.stream_interval > 0:
-            # NOTE: held tokens of jobs the step left out (preempted, waiting) go out on time
-            clock = time.monotonic()
-            for job_id, state in self._jobs.items():
-                coalescer = state.coalescer
-                if coalescer is not None and coalescer.holding:
-                    events.extend((job_id, event) for event in coalescer.due(clock))
+        clock = time.monotonic()
+        if self._timed and clock >= self._next_due_check:
+            # NOTE: held tokens of jobs the step left out (preempted, waiting) go out on
+            # time, give or take a quarter interval: a job the step ran had its held
+            # tokens checked against the clock as its delta came in
+            self._next_due_check = clock + self.stream_interval / 4
+            for job_id, state in list(self._timed.items()):
+                if self._jobs.get(job_id) is not state:
+                    del self._timed[job_id]  # it left (its held tokens went with it)
+                elif state.coalescer is not None and state.coalescer.holding:
+                    events.extend((job_id, event) for event in state.coalescer.due(clock))
         finished, self._finished = self._finished, []
         results = [state.result() for state in finished]
-        attempts = {job_id: state.job.attempt for job_id, state in self._jobs.items()}
-        attempts.update((state.job.job_id, state.job.attempt) for state in finished)
+        # the claim each event belongs to (only jobs with events this step)
+        attempts = {state.job.job_id: state.job.attempt for state in finished}
+        for job_id, _ in events:
+            if job_id not in attempts:
+                live = self._jobs.get(job_id)
+                if live is not None:
+                    attempts[job_id] = live.job.attempt
         self.publisher.submit(events, attempts, results)
         for state, result in zip(finished, results):
             self.metrics.observe_job(state.figures(result))

@@ -73,14 +73,16 @@ class JobState:
                                    else JobErrorKind.SERVER_ERROR)
         if not delta.new_token_ids and not delta.text:
             return None
-        event = JobEvent(
+        if self.coalescer is not None:
+            return self.coalescer.add_tokens(index, text, delta.new_token_ids,
+                                             _logprobs_payload(delta), now)
+        return JobEvent(
             EventType.TOKEN,
             index=index,
             text=text,
             token_ids=list(delta.new_token_ids),
             logprobs=_logprobs_payload(delta),
         )
-        return event if self.coalescer is None else self.coalescer.add(event, now)
 
     def held_events(self) -> list[JobEvent]:
         """The token events still held by coalescing (publish them before the terminal

@@ -20,6 +20,8 @@ subscribers to start over anyway.
 
 from __future__ import annotations
 
+from typing import Any
+
 from tasks.protocol import EventType, JobEvent
 
 
@@ -45,15 +47,21 @@ class TokenCoalescer:
         """Hold a token `event` (made at `now`, monotonic seconds); returns its sample's
         merged event if it is due."""
         assert event.type is EventType.TOKEN, event.type
-        index = event.index
+        return self.add_tokens(event.index, event.text, event.token_ids, event.logprobs, now)
+
+    def add_tokens(self, index: int, text: str, token_ids: list[int],
+                   logprobs: list[dict[str, Any]] | None, now: float) -> JobEvent | None:
+        """`add` of the token event these parts make, which is only made when the sample
+        holds none (the batcher calls this once per job per step)."""
         held = self._held.get(index)
         if held is None:
-            held = self._held[index] = event
+            held = self._held[index] = JobEvent(EventType.TOKEN, index=index, text=text,
+                                                token_ids=list(token_ids), logprobs=logprobs)
         else:
-            held.text += event.text
-            held.token_ids.extend(event.token_ids)
-            if event.logprobs is not None:
-                held.logprobs = (held.logprobs or []) + event.logprobs
+            held.text += text
+            held.token_ids.extend(token_ids)
+            if logprobs is not None:
+                held.logprobs = (held.logprobs or []) + logprobs
         if self.num_tokens:
             if len(held.token_ids) < self.num_tokens:
                 return None
