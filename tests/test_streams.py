@@ -6,6 +6,7 @@ import json
 import threading
 import time
 import uuid
+from typing import Any
 
 import pytest
 import redis
@@ -187,3 +188,82 @@ def test_the_fence_drops_duplicates_stale_attempts_and_events_after_the_end(
              .read_events(job_id)]
     assert types == [EventType.TOKEN, EventType.TOKEN, EventType.RESTART, EventType.TOKEN,
                      EventType.DONE]
+
+
+def _result(job_id: str) -> Any:
+    from tasks.models import JobStatus
+    from workers.job_rows import JobResult
+
+    return JobResult(job_id=job_id, status=JobStatus.SUCCEEDED, finish_reason="stop",
+                     error=None, output=[], output_text="", prompt_tokens=3,
+                     completion_tokens=0, cached_tokens=0, event=_done(), attempt=1)
+
+
+def test_the_batcher_reads_its_replies_and_a_connection_lost_in_flight_loses_nothing(
+        redis_client, service_settings):
+    """StepPublisher as the batcher drives it: steps whose replies the batcher reads itself
+    (before and after each step), a result handed on only once its step is stored, and a
+    connection killed with steps in flight: the thread re-sends them, each event is
+    stored once, in order, and each result handed on once."""
+    from workers.step_publisher import StepPublisher
+
+    jobs = [str(uuid.uuid4()) for _ in range(3)]
+    handed: list[tuple[str, int]] = []  # (job id, events stored for it when handed on)
+    subscriber = EventSubscriber(redis_client, service_settings)
+
+    def on_published(result: Any) -> None:
+        handed.append((result.job_id, len(list(subscriber.read_events(result.job_id)))))
+
+    publisher = StepPublisher(EventPublisher(redis_client, service_settings).sender(),
+                              on_published)
+    publisher.start()
+    attempts = {job: 1 for job in jobs}
+    token = 0
+
+    def step(results: list[str] = ()) -> None:
+        nonlocal token
+        publisher.before_step()
+        events = [(job, _tokens(1, token)[0]) for job in jobs if job not in handed_ids()]
+        token += 1
+        publisher.submit(events + [(job, _done()) for job in results], attempts,
+                         [_result(job) for job in results])
+
+    def handed_ids() -> set[str]:
+        return {job for job, _ in handed}
+
+    for _ in range(3):
+        step()
+    step([jobs[0]])
+    time.sleep(0.05)
+    step()  # reads the reply: job 0's result goes on, after its events
+    assert handed == [(jobs[0], 5)]
+    assert publisher._in_flight and not publisher.recovering  # the batcher's, not queued
+
+    # kill the publishing connection with a step in flight
+    conn = publisher._in_flight[0].handle
+    addr = "%s:%d" % conn._sock.getsockname()[:2]
+    (client,) = [c for c in redis_client.client_list() if c["addr"] == addr]
+    redis_client.client_kill_filter(_id=client["id"])
+    time.sleep(0.05)
+    step()
+    step([jobs[1]])
+    step()
+    publisher.idle()
+    deadline = time.monotonic() + 10
+    while len(handed) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    step([jobs[2]])
+    publisher.stop()
+
+    assert [job for job, _ in handed] == jobs
+    assert publisher.num_failed >= 1
+    for job in jobs:
+        stored = [e for _, e in subscriber.read_events(job)]
+        tokens = [e.token_ids[0] for e in stored if e.type is EventType.TOKEN]
+        assert tokens == list(range(len(tokens))), (job, tokens)  # once each, in order
+        assert len(tokens) >= 4
+        assert [e.type for e in stored][-1] is EventType.DONE
+        assert sum(e.type is EventType.DONE for e in stored) == 1
+    counts = dict(handed)
+    for job in jobs:  # handed on after every event of its job was stored
+        assert counts[job] == len(list(subscriber.read_events(job)))

@@ -254,6 +254,7 @@ class Batcher:
             # NOTE: only this thread changes _jobs and the engine's requests, so neither
             # can change while it waits: only the inbox can bring work.
             if not (self._jobs or self.engine.has_unfinished_requests()):
+                self.publisher.idle()
                 while not self._inbox.wait(self.stats_interval):
                     if self.health.tripped is not None:
                         break
@@ -271,6 +272,7 @@ class Batcher:
             self._add_jobs(work.jobs, work.cancelled_jobs, events)
             self._drop_lost(work.lost)
             if self.engine.has_unfinished_requests():
+                self.publisher.before_step()
                 self._step(events)
             elif self._jobs:
                 self._fail_orphans(events)

@@ -3,8 +3,14 @@ one to a Redis outage.
 
 The batcher thread sends a step's events itself (one EVAL, pipelined on the sender's own
 connection, no wait for the reply): waiting for a publisher thread to get the GIL from a
-busy batcher made that hand-off most of the token delivery latency. A publisher thread
-reads the replies, in order, and only then hands the step's finished results on.
+busy batcher made that hand-off most of the token delivery latency. While steps follow
+each other, the batcher also reads the replies itself, in order, and only then hands
+their steps' finished results on: before each step it reads those that have arrived (the
+last step's, as a rule; for a step with finished results it waits up to 2 ms, so a
+result never waits for the next step), and after each step again. A publisher thread
+woken after every step took the GIL from the batcher between its native calls once a
+step; the thread now only reads the replies still owed when the batcher goes idle or a
+reply is late, and re-sends during an outage.
 
 Redis outages: a send or a reply that fails switches the publisher to RECOVERING. From
 then on the batcher only queues its steps (bounded: `max_pending_steps`; a full queue
@@ -27,6 +33,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -40,6 +47,9 @@ logger = logging.getLogger(__name__)
 
 RETRY_MIN_SECONDS = 0.1
 RETRY_MAX_SECONDS = 2.0
+# before a step, how long the batcher waits for the reply of a step in flight whose
+# finished results would otherwise wait for the step (Redis answers in well under this)
+RESULT_REPLY_WAIT_SECONDS = 0.002
 
 
 class EventSender(Protocol):
@@ -50,6 +60,11 @@ class EventSender(Protocol):
              fences: list[EventFence] | None = None) -> object:
         """Send `events` now; returns an opaque handle for `receive`. Raises on failure,
         and keeps raising until `reset`."""
+        ...
+
+    def ready(self, handle: object, timeout: float = 0.0) -> bool:
+        """Whether `receive(handle)` would not wait (now, or after up to `timeout`
+        seconds); raises if the send failed."""
         ...
 
     def receive(self, handle: object) -> object:
@@ -91,6 +106,9 @@ class StepPublisher:
         self._lock = threading.Lock()  # guards _direct and the order of queue puts
         self._direct = True  # False while recovering: the thread sends, in order
         self._seq: dict[str, int] = {}  # job id -> last sequence number (batcher thread)
+        # steps the batcher sent and reads the replies of itself, oldest first (batcher
+        # thread; only while direct and nothing is queued for the thread)
+        self._in_flight: deque[_Step] = deque()
         self._closed = False  # set by close(): nothing more is published
         self._stopping = threading.Event()
         self.num_failed = 0  # sends or replies that failed (then re-sent)
@@ -120,21 +138,96 @@ class StepPublisher:
                 fences.append(EventFence(attempts.get(job_id, 0), seq))
         for result in results:
             self._seq.pop(result.job_id, None)
+        self._read_arrived()
         if not events and not results:
             return
         step = _Step(events, fences, results, None)
         with self._lock:
+            if not self._direct:
+                self._hand_over()  # what is in flight goes first
             if self._direct and events:
                 try:
                     step.handle = self.sender.send(events, fences)
                 except Exception as exc:  # the thread re-sends it, and what follows
                     self.num_failed += 1
                     self._direct = False
+                    self._hand_over()
                     logger.warning("publishing %d events failed (%s); buffering until Redis "
                                    "answers", len(events), exc)
-            # NOTE: put under the lock: a step queued after the thread found the queue
-            # empty cannot be overtaken by a direct send.
-            self._put(step)
+            mine = self._direct and self._queue.empty()
+            if not mine:
+                # NOTE: put under the lock: a step queued after the thread found the queue
+                # empty cannot be overtaken by a direct send.
+                self._put(step)
+            elif step.handle is not None or self._in_flight:
+                self._in_flight.append(step)
+                return
+        if mine:  # results only, nothing before them in flight: they go on now
+            for result in results:
+                self.on_published(result)
+
+    def before_step(self) -> None:
+        """From the batcher thread, before a step: finished results must not wait for it.
+        Reads the replies that have arrived; while a step in flight still carries
+        results, waits for its reply up to RESULT_REPLY_WAIT_SECONDS, then hands what is
+        still in flight to the thread."""
+        self._read_arrived()
+        deadline = time.monotonic() + RESULT_REPLY_WAIT_SECONDS
+        while any(step.results for step in self._in_flight):
+            handle = self._in_flight[0].handle
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self._arrives(handle, remaining):
+                with self._lock:
+                    self._hand_over()
+                return
+            self._read_arrived()
+
+    def _arrives(self, handle: object | None, timeout: float) -> bool:
+        """Whether the reply of `handle` arrives within `timeout` (True on a failure:
+        `_read_arrived` handles it)."""
+        if handle is None:
+            return True
+        try:
+            return self.sender.ready(handle, timeout)
+        except Exception:
+            return True
+
+    def idle(self) -> None:
+        """From the batcher thread, before it waits for work: the thread reads the replies
+        still owed (no next step will)."""
+        self._read_arrived()
+        if self._in_flight:
+            with self._lock:
+                self._hand_over()
+
+    def _read_arrived(self) -> None:
+        """Batcher thread: read the replies that have arrived, oldest first, and hand their
+        steps' results on; stop at the first still on its way. A failed one switches to
+        recovering and hands every step in flight to the thread, in order."""
+        while self._in_flight and not self._closed:
+            step = self._in_flight[0]
+            if step.handle is not None:
+                try:
+                    if not self.sender.ready(step.handle):
+                        return
+                    self.sender.receive(step.handle)
+                except Exception as exc:
+                    self.num_failed += 1
+                    step.handle = None  # its reply is gone: the thread sends it again
+                    logger.warning("publishing %d events failed (%s); re-sending",
+                                   len(step.events), exc)
+                    with self._lock:
+                        self._direct = False
+                        self._hand_over()
+                    return
+            self._in_flight.popleft()
+            for result in step.results:
+                self.on_published(result)
+
+    def _hand_over(self) -> None:
+        """Under the lock: the steps in flight go to the thread's queue, in order."""
+        while self._in_flight:
+            self._put(self._in_flight.popleft())
 
     def forget(self, job_id: str) -> None:
         """From the batcher thread: `job_id` left without a result (lost, aborted)."""
@@ -148,7 +241,10 @@ class StepPublisher:
 
     def stop(self, timeout: float = 30.0) -> None:
         """Publish what is queued and hand its results on, then end the thread. Gives up
-        re-sending after `timeout` (the rows stay right; the streams miss the tail)."""
+        re-sending after `timeout` (the rows stay right; the streams miss the tail).
+        From the batcher thread (it hands over what is in flight)."""
+        with self._lock:
+            self._hand_over()
         try:
             self._queue.put(None, timeout=timeout)
         except queue.Full:
@@ -181,12 +277,17 @@ class StepPublisher:
                 return  # stopping gave up on Redis
             for result in step.results:
                 self.on_published(result)
-            if not self._direct:
-                with self._lock:
+            # NOTE: not a blocking acquire: the batcher may hold the lock while it waits
+            # for room in a full queue, which only this thread makes. Missed now, the
+            # switch is tried again after the next step.
+            if not self._direct and self._lock.acquire(blocking=False):
+                try:
                     if self._queue.empty() and not self._closed:
                         self._direct = True
                         logger.info("Redis answers again: buffered events re-sent (%d steps "
                                     "so far); publishing directly", self.num_resent)
+                finally:
+                    self._lock.release()
 
     def _publish(self, step: _Step) -> bool:
         """Make sure `step.events` are stored; False if stopped before they were."""

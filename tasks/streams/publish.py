@@ -176,8 +176,9 @@ class EventPublisher:
 
 
 class PipelinedSender:
-    """`send` publishes from the calling thread without waiting; `receive` (another
-    thread, in send order) reads each reply.
+    """`send` publishes from the calling thread without waiting; `receive` (later, in
+    send order, from the same or another thread) reads each reply; `ready` says whether
+    it is there.
 
     The batcher sends a step's events the moment the step ends, so they leave without
     waiting for a publisher thread to get the GIL; the thread that reads the replies
@@ -222,6 +223,20 @@ class PipelinedSender:
                 self._drop(conn)
                 raise
         return conn
+
+    def ready(self, handle: Any, timeout: float = 0.0) -> bool:
+        """Whether the reply of the send that returned `handle` can be read without
+        waiting, now or within `timeout` seconds; raises if its connection is gone."""
+        # NOTE: a closed redis-py connection reconnects in `can_read`, and a reply owed
+        # on the old one would then never come: a dropped handle is a failed one.
+        if getattr(handle, "_sock", None) is None:
+            raise redis.ConnectionError("the publishing connection was closed")
+        try:
+            return bool(handle.can_read(timeout=timeout))
+        except BaseException:
+            with self._lock:
+                self._drop(handle)
+            raise
 
     def receive(self, handle: Any) -> list[str | None]:
         """The entry ids of the send that returned `handle` (None: fenced off); raises if
