@@ -181,7 +181,8 @@ class PipelinedSender:
     it is there.
 
     The batcher sends a step's events the moment the step ends, so they leave without
-    waiting for a publisher thread to get the GIL; the thread that reads the replies
+    waiting for a publisher thread to get the GIL; whoever reads a step's reply (the
+    batcher between steps, or the step publisher's thread: workers/step_publisher.py)
     then hands the step's results on. One connection, pipelined: replies come in order.
 
     NOTE (order across a failure): once a send or a reply fails, the sender is BROKEN and
