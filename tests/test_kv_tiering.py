@@ -196,18 +196,30 @@ def test_keys_deleted_and_blobs_corrupted_are_misses(
         assert llm.engine.kv_connector.flush(30)
         keys = sorted(client.keys("llmq:kv:*"))
         assert len(keys) >= 3 * PREFIX_BLOCKS
-        # delete a third of the blocks, flip a payload byte in another third
-        for index, key in enumerate(keys):
-            if index % 3 == 0:
-                client.delete(key)
-            elif index % 3 == 1:
-                blob = bytearray(client.get(key))
-                blob[HEADER_SIZE + 5] ^= 0xFF
-                client.set(key, bytes(blob))
+        # NOTE: every block at once, so each prefix's first block is one: a lookup reads a
+        # chain from its first block and stops at the first miss, so with a random share
+        # deleted and another corrupted, a run could delete every chain's head first and
+        # read no corrupted blob at all
+        # flip a payload byte in every block: each is read, found bad and recomputed
+        for key in keys:
+            blob = bytearray(client.get(key))
+            blob[HEADER_SIZE + 5] ^= 0xFF
+            client.set(key, bytes(blob))
         outs = second_round(llm, prompts)
         assert [o.token_ids for o in outs] == expected
         (tier,) = tier_stats(llm)[1].tiers
         assert tier.num_bad_blobs >= 1
+        # then delete every block (after the writes the last round queued): each lookup
+        # is a miss, not an error, and nothing is loaded
+        assert llm.engine.kv_connector.flush(30)
+        client.delete(*client.keys("llmq:kv:*"))
+        lookups, hit_blocks = tier.num_lookups, tier.num_hit_blocks
+        assert llm.engine.kv_manager.reset_prefix_cache()
+        outs = llm.generate(prompts, PARAMS)
+        assert [o.token_ids for o in outs] == expected
+        (tier,) = tier_stats(llm)[1].tiers
+        assert tier.num_lookups > lookups and tier.num_hit_blocks == hit_blocks
+        assert tier.num_lookup_errors == 0
     finally:
         client.close()
         llm.close()
