@@ -277,17 +277,12 @@ class StepPublisher:
                 return  # stopping gave up on Redis
             for result in step.results:
                 self.on_published(result)
-            # NOTE: not a blocking acquire: the batcher may hold the lock while it waits
-            # for room in a full queue, which only this thread makes. Missed now, the
-            # switch is tried again after the next step.
-            if not self._direct and self._lock.acquire(blocking=False):
-                try:
+            if not self._direct:
+                with self._lock:
                     if self._queue.empty() and not self._closed:
                         self._direct = True
                         logger.info("Redis answers again: buffered events re-sent (%d steps "
                                     "so far); publishing directly", self.num_resent)
-                finally:
-                    self._lock.release()
 
     def _publish(self, step: _Step) -> bool:
         """Make sure `step.events` are stored; False if stopped before they were."""
