@@ -12,14 +12,18 @@ woken after every step took the GIL from the batcher between its native calls on
 step; the thread now only reads the replies still owed when the batcher goes idle or a
 reply is late, and re-sends during an outage.
 
-Redis outages: a send or a reply that fails switches the publisher to RECOVERING. From
+Redis outages: a send or a reply that fails (an error reply too: Redis out of memory)
+switches the publisher to RECOVERING. From
 then on the batcher only queues its steps (bounded: `max_pending_steps`; a full queue
 blocks the batcher, which is back-pressure, not loss), and the publisher thread re-sends
 every step whose reply it did not read, in order, with backoff, until Redis answers; then
 it switches back to direct sends. A re-sent step may have been stored the first time:
 each event carries its job's attempt and a sequence number, and the publish script stores
 an event only if its sequence number is new (tasks/streams/publish.py), so a client sees
-every token exactly once.
+every token exactly once. Each step with events has its place in the publisher's order,
+and Redis refuses a step while an earlier one is not stored: a step sent behind one that
+Redis refused is not stored ahead of it (its tokens would be ahead of the refused ones,
+whose re-send the sequence numbers then drop).
 
 NOTE (order): one FIFO. A step's finished results are handed to the writer only after that
 step's token events are stored, and the writer publishes a terminal event only after
@@ -57,9 +61,10 @@ class EventSender(Protocol):
     (`tasks.streams.publish.PipelinedSender`)."""
 
     def send(self, events: list[tuple[str, JobEvent]],
-             fences: list[EventFence] | None = None) -> object:
-        """Send `events` now; returns an opaque handle for `receive`. Raises on failure,
-        and keeps raising until `reset`."""
+             fences: list[EventFence] | None = None, order: int = 0) -> object:
+        """Send `events` now, as the `order`-th send (a re-send keeps its place: Redis
+        refuses a send while an earlier one is not stored); returns an opaque handle for
+        `receive`. Raises on failure, and keeps raising until `reset`."""
         ...
 
     def ready(self, handle: object, timeout: float = 0.0) -> bool:
@@ -84,6 +89,7 @@ class _Step:
     fences: list[EventFence]  # fences[i] fences events[i]
     results: list[JobResult]  # handed on once the events are stored: terminal rows
     handle: object | None  # None: not sent (the publisher thread sends it)
+    order: int = 0  # its place among the steps with events (1, 2, ...), kept by re-sends
 
 
 class StepPublisher:
@@ -106,6 +112,7 @@ class StepPublisher:
         self._lock = threading.Lock()  # guards _direct and the order of queue puts
         self._direct = True  # False while recovering: the thread sends, in order
         self._seq: dict[str, int] = {}  # job id -> last sequence number (batcher thread)
+        self._num_ordered = 0  # steps with events so far (batcher thread)
         # steps the batcher sent and reads the replies of itself, oldest first (batcher
         # thread; only while direct and nothing is queued for the thread)
         self._in_flight: deque[_Step] = deque()
@@ -142,12 +149,15 @@ class StepPublisher:
         if not events and not results:
             return
         step = _Step(events, fences, results, None)
+        if events:
+            self._num_ordered += 1
+            step.order = self._num_ordered
         with self._lock:
             if not self._direct:
                 self._hand_over()  # what is in flight goes first
             if self._direct and events:
                 try:
-                    step.handle = self.sender.send(events, fences)
+                    step.handle = self.sender.send(events, fences, step.order)
                 except Exception as exc:  # the thread re-sends it, and what follows
                     self.num_failed += 1
                     self._direct = False
@@ -300,7 +310,7 @@ class StepPublisher:
         while not self._stopping.is_set():
             try:
                 self.sender.reset()
-                handle = self.sender.send(step.events, step.fences)
+                handle = self.sender.send(step.events, step.fences, step.order)
                 self.sender.receive(handle)
                 self.num_resent += 1
                 return True

@@ -8,6 +8,7 @@ them back.
 from __future__ import annotations
 
 import threading
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,18 +35,40 @@ from tasks.settings import Settings
 #     outage, whose first try may have been stored, is stored once).
 # Attempt 0 and sequence 0 mean "not fenced" (maintenance, hand-written events).
 #
+# ORDER. A pipelined sender has several sends on its way, and Redis may refuse one (out
+# of memory, a failed disk write: a ResponseError, the connection fine) and run the next:
+# its events would be stored ahead of the refused ones, whose re-send the sequence
+# numbers then drop as old: tokens lost. So each send of a pipelined sender names the
+# sender's order key and its place in the sender's order; a send is refused
+# ("OUTOFORDER") while the one before it is not stored, and stores nothing. An order key
+# that is gone (expired, Redis restarted empty) refuses nothing.
+#
 # KEYS[i]: the i-th event's stream, KEYS[n + i] its fence. ARGV[1]: the events as
 # records separated by \x1e, each "channel \x1f type \x1f data \x1f ttl \x1f attempt
 # \x1f seq" (ttl 0: leave the stream as is). ARGV[2]: the fence's TTL in seconds.
+# ARGV[3]: the sender's order key ('': not ordered), ARGV[4]: this send's place in it
+# (1, 2, ...), ARGV[5]: the order key's TTL in seconds.
 # NOTE: packed into one argument because packing hundreds of arguments costs the worker
 # more Python time than the script costs Redis. The separators cannot occur in a record:
 # `data` is json.dumps output (control characters escaped), the rest are names we make.
 _RECORD_SEP, _UNIT_SEP = "\x1e", "\x1f"
 # jobs whose key names an EventPublisher keeps (a step names a few hundred at most)
 _MAX_CACHED_JOBS = 4096
+# an order key outlives a sender that publishes at least this often (each send renews it)
+ORDER_TTL_SECONDS = 86_400
 _PUBLISH_LUA = """
 local packed = ARGV[1]
 local fence_ttl = tonumber(ARGV[2])
+local order_key = ARGV[3] or ''
+local place = tonumber(ARGV[4]) or 0
+local last_placed = nil
+if order_key ~= '' then
+  last_placed = tonumber(redis.call('GET', order_key) or '')
+  if last_placed and place > last_placed + 1 then
+    return redis.error_reply('OUTOFORDER send ' .. place .. ' follows send ' ..
+                             last_placed .. ': one between them is not stored')
+  end
+end
 local n = #KEYS / 2
 local fences = {}
 local ids = {}
@@ -101,6 +124,9 @@ for fkey, f in pairs(fences) do
     if f.new or f.ttl then redis.call('EXPIRE', fkey, f.ttl or fence_ttl) end
   end
 end
+if order_key ~= '' and place > (last_placed or 0) then
+  redis.call('SET', order_key, place, 'EX', tonumber(ARGV[5]))
+end
 return ids
 """
 
@@ -140,7 +166,8 @@ class EventPublisher:
         if not events:
             return []
         keys, packed = self._encode(events, fences)
-        entry_ids = self._script(keys=keys, args=[packed, self._settings.stream_ttl_seconds])
+        entry_ids = self._script(keys=keys, args=[packed, self._settings.stream_ttl_seconds,
+                                                  "", 0, 0])
         return _entry_ids(entry_ids)
 
     def sender(self) -> PipelinedSender:
@@ -189,7 +216,12 @@ class PipelinedSender:
     every `send` raises `SenderBroken` until `reset()`. Sends already on the dead
     connection fail on `receive`; without the latch a send made between the failure and
     the owner noticing it would go out on a new connection ahead of the ones the owner
-    must re-send. The owner re-sends in order, then resets.
+    must re-send. The owner re-sends in order, then resets. A reply that is an error (the
+    script refused: out of memory, a failed disk write) fails the connection too: the
+    replies after it belong to sends the owner re-sends, and a re-send on the same
+    connection would read one of theirs. Sends given an `order` are refused by Redis while
+    an earlier one is not stored (the script's ORDER note), so none is stored ahead of a
+    refused one.
     """
 
     def __init__(self, publisher: EventPublisher) -> None:
@@ -197,6 +229,7 @@ class PipelinedSender:
         self._lock = threading.Lock()
         self._conn: Any = None
         self._broken = False
+        self._order_key = publisher._settings.key("publisher", uuid.uuid4().hex, "order")
 
     def reset(self) -> None:
         """Allow sends again (the owner re-sends what failed, in order, from here)."""
@@ -204,24 +237,34 @@ class PipelinedSender:
             self._broken = False
 
     def send(self, events: list[tuple[str, JobEvent]],
-             fences: list[EventFence] | None = None) -> Any:
-        """Send one EVAL for `events`; returns the handle `receive` takes. Raises on a
-        broken connection (the next send opens a new one)."""
+             fences: list[EventFence] | None = None, order: int = 0) -> Any:
+        """Send one EVAL for `events`; returns the handle `receive` takes. `order`: this
+        send's place in the owner's order (1, 2, ...; a re-send keeps its place), which
+        Redis keeps (0: none). Raises on a broken connection (the next send opens a new
+        one)."""
         keys, packed = self._publisher._encode(events, fences)
         fence_ttl = self._publisher._settings.stream_ttl_seconds
+        order_key = self._order_key if order > 0 else ""
         with self._lock:
             if self._broken:
                 raise SenderBroken("an earlier publish failed; the owner re-sends first")
             conn = self._conn
-            if conn is None:
-                conn = dedicated_connection(self._publisher._redis)
-                self._conn = conn
             try:
+                if conn is None:
+                    conn = dedicated_connection(self._publisher._redis)
+                    self._conn = conn
+                    # the order starts at this sender's first send (a key that is gone
+                    # refuses nothing: this one is there before the first send can fail)
+                    conn.send_command("SET", self._order_key, 0, "NX", "EX",
+                                      ORDER_TTL_SECONDS)
+                    conn.read_response()
                 # NOTE: EVAL, not EVALSHA: no NOSCRIPT retry is possible once the reply is
                 # another thread's to read, and Redis caches the compiled script anyway.
-                conn.send_command("EVAL", _PUBLISH_LUA, len(keys), *keys, packed, fence_ttl)
+                conn.send_command("EVAL", _PUBLISH_LUA, len(keys), *keys, packed, fence_ttl,
+                                  order_key, order, ORDER_TTL_SECONDS)
             except BaseException:
-                self._drop(conn)
+                if conn is not None:
+                    self._drop(conn)
                 raise
         return conn
 
@@ -244,9 +287,8 @@ class PipelinedSender:
         it failed."""
         try:
             reply = handle.read_response()
-        except redis.ResponseError:
-            raise  # the script failed; the connection is fine
         except BaseException:
+            # NOTE: an error reply too (the connection is fine): see the class's note
             with self._lock:
                 self._drop(handle)
             raise
