@@ -413,3 +413,35 @@ def test_steps_in_flight_while_redis_refuses_writes_now_and_then_lose_nothing(
         client.close()
         flipping.close()
         server.stop()
+
+
+def test_an_ordered_sender_goes_on_after_redis_restarts_empty(tmp_path, service_settings):
+    """Redis restarted without its data (its order key gone with the streams): the sender's
+    next send on a new connection is stored, not refused as out of order."""
+    from tasks.redis_client import make_redis
+    from tasks.streams.publish import EventFence
+    from tests.fault_helpers import RedisServer
+
+    server = RedisServer(tmp_path, persistent=False)
+    client = make_redis(server.url)
+    try:
+        sender = EventPublisher(client, service_settings).sender()
+        job = str(uuid.uuid4())
+        tokens = _tokens(5)
+        for order in (1, 2, 3):
+            sender.receive(sender.send([(job, tokens[order - 1])], [EventFence(1, order)],
+                                       order=order))
+        server.restart()
+        with pytest.raises((redis.ConnectionError, OSError)):
+            sender.receive(sender.send([(job, tokens[3])], [EventFence(1, 4)], order=4))
+        sender.reset()
+        for order in (4, 5):
+            sender.receive(sender.send([(job, tokens[order - 1])], [EventFence(1, order)],
+                                       order=order))
+        stored = [e.token_ids for _, e in EventSubscriber(client, service_settings)
+                  .read_events(job)]
+        assert stored == [[3], [4]]  # what Redis had before is gone; nothing is refused
+        sender.close()
+    finally:
+        client.close()
+        server.stop()

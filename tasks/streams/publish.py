@@ -253,11 +253,13 @@ class PipelinedSender:
                 if conn is None:
                     conn = dedicated_connection(self._publisher._redis)
                     self._conn = conn
-                    # the order starts at this sender's first send (a key that is gone
-                    # refuses nothing: this one is there before the first send can fail)
-                    conn.send_command("SET", self._order_key, 0, "NX", "EX",
-                                      ORDER_TTL_SECONDS)
-                    conn.read_response()
+                    if order > 0:
+                        # the order key is there before a send can be refused (a key
+                        # that is gone refuses nothing); where Redis lost it (restarted
+                        # empty), the order goes on from this send
+                        conn.send_command("SET", self._order_key, order - 1, "NX", "EX",
+                                          ORDER_TTL_SECONDS)
+                        conn.read_response()
                 # NOTE: EVAL, not EVALSHA: no NOSCRIPT retry is possible once the reply is
                 # another thread's to read, and Redis caches the compiled script anyway.
                 conn.send_command("EVAL", _PUBLISH_LUA, len(keys), *keys, packed, fence_ttl,
