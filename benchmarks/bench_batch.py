@@ -149,12 +149,13 @@ def run_busy(client: Any, args: argparse.Namespace, services: Services,
     data = "".join(json.dumps(line) + "\n" for line in lines).encode()
     upload = client.files.create(file=("bench.jsonl", io.BytesIO(data)), purpose="batch")
     done = threading.Event()
-    samples: list[float] = []
+    samples: list[tuple[float, float]] = []  # (sent, unix s; TTFT, s)
 
     def interactive() -> None:
         index = 0
         while not done.is_set():
-            samples.append(ttft(client, args, 100_000 * round_index + 10_000 + index))
+            sent = time.time()
+            samples.append((sent, ttft(client, args, 100_000 * round_index + 10_000 + index)))
             index += 1
             done.wait(args.interactive_gap)
 
@@ -194,6 +195,10 @@ def run_busy(client: Any, args: argparse.Namespace, services: Services,
     waits = thread_waits(worker_pid, BATCHER_THREAD) - waits_before
     done.set()
     thread.join(60)
+    # a request counts as beside the batch if it was sent before the last line ended (the
+    # client goes on until a poll sees the batch complete)
+    lines_ended = batch_lines_ended(services, batch.id)
+    beside = [first for sent, first in samples if lines_ended is None or sent < lines_ended]
     output = client.files.content(batch.output_file_id).text.splitlines() \
         if batch.output_file_id else []
     tokens = sum(json.loads(line)["response"]["body"]["usage"]["completion_tokens"]
@@ -210,12 +215,13 @@ def run_busy(client: Any, args: argparse.Namespace, services: Services,
             # thread was runnable but waited for a core
             "cpu_seconds": parts, "batcher_waiting_for_a_core_s": round(waits, 2),
             "interactive_tokens": len(samples) * args.interactive_tokens,
+            "lines_ended_unix": lines_ended,
             # the served engine's steps between two heartbeats while the lines ran
             **step_figures(group_before, group_after),
             # batch-only steps stopped between layers to start an interactive job
             "interrupted_steps": (group_after.get("num_interrupted_steps", 0)
                                   - group_before.get("num_interrupted_steps", 0)),
-            "ttft": samples}
+            "ttft": beside}
 
 
 def _read(services: Services, read: Callable[[Any], Any]) -> Any:
@@ -241,6 +247,18 @@ def first_line_started(services: Services, batch_id: str) -> float:
     first = _read(services, lambda session: session.scalar(
         select(func.min(Job.started_at)).where(Job.batch_id == batch_id)))
     return first.timestamp() if first is not None else float("nan")
+
+
+def batch_lines_ended(services: Services, batch_id: str) -> float | None:
+    """When (unix s, the services' clock) `batch_id`'s last line ended: its row's
+    `finalizing_at`."""
+    from sqlalchemy import select
+
+    from tasks.models import Batch
+
+    ended = _read(services, lambda session: session.scalar(
+        select(Batch.finalizing_at).where(Batch.id == batch_id)))
+    return None if ended is None else ended.timestamp()
 
 
 def interactive_phases(services: Services, after: float, before: float) -> dict[str, float]:
@@ -290,7 +308,8 @@ def run_round(engine: Any, client: Any, args: argparse.Namespace, services: Serv
     busy_started = time.time()
     busy = run_busy(client, args, services, round_index)
     phases = {"idle": interactive_phases(services, idle_started, busy_started),
-              "busy": interactive_phases(services, busy_started, time.time())}
+              "busy": interactive_phases(services, busy_started,
+                                         busy["lines_ended_unix"] or time.time())}
     busy_ttft = busy.pop("ttft")
     print(f"round {round_index + 1} busy: {json.dumps(busy)}", flush=True)
     idle_ms = {f"p{q}": 1000 * _pct(idle, q / 100) for q in (50, 99)}
