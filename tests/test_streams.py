@@ -445,3 +445,25 @@ def test_an_ordered_sender_goes_on_after_redis_restarts_empty(tmp_path, service_
     finally:
         client.close()
         server.stop()
+
+
+def test_a_job_whose_keys_hold_something_else_does_not_stop_the_others(
+        redis_client, service_settings):
+    """A job's stream or fence key holding another type fails no step: it is replaced, and
+    the other jobs of the same publish are stored."""
+    from tasks.streams.publish import EventFence, fence_key
+
+    publisher = EventPublisher(redis_client, service_settings)
+    broken_stream, fine, broken_fence = (str(uuid.uuid4()) for _ in range(3))
+    redis_client.set(events_key(service_settings, broken_stream), "not a stream")
+    redis_client.set(fence_key(service_settings, broken_fence), "not a hash")
+    jobs = [broken_stream, fine, broken_fence]
+    token = _tokens(1)[0]
+    ids = publisher.publish([(job, token) for job in jobs], [EventFence(1, 1)] * 3)
+    assert all(ids)
+    subscriber = EventSubscriber(redis_client, service_settings)
+    for job in jobs:
+        assert [e.token_ids for _, e in subscriber.read_events(job)] == [[0]]
+    # the fence works on: a re-sent event is dropped, the next one stored
+    assert publisher.publish([(broken_fence, token)], [EventFence(1, 1)]) == [None]
+    assert publisher.publish([(broken_fence, _tokens(1, 1)[0])], [EventFence(1, 2)])[0]

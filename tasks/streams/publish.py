@@ -43,6 +43,12 @@ from tasks.settings import Settings
 # ("OUTOFORDER") while the one before it is not stored, and stores nothing. An order key
 # that is gone (expired, Redis restarted empty) refuses nothing.
 #
+# KEYS HOLDING SOMETHING ELSE. A job's stream or fence key that holds another type
+# (written by hand, or by something else sharing the prefix) would fail every step that
+# carries one of that job's events, and with it every other job of the step, on every
+# re-send: one job's key would stop its whole device group, then the groups its jobs
+# move to. Such a key is not ours: it is deleted and written anew.
+#
 # KEYS[i]: the i-th event's stream, KEYS[n + i] its fence. ARGV[1]: the events as
 # records separated by \x1e, each "channel \x1f type \x1f data \x1f ttl \x1f attempt
 # \x1f seq" (ttl 0: leave the stream as is). ARGV[2]: the fence's TTL in seconds.
@@ -92,7 +98,11 @@ while pos <= #packed do
   local fkey = KEYS[n + i]
   local f = fences[fkey]
   if not f then
-    local v = redis.call('HMGET', fkey, 'a', 's', 't')
+    local v = redis.pcall('HMGET', fkey, 'a', 's', 't')
+    if v.err then  -- not a hash: not ours (see KEYS HOLDING SOMETHING ELSE)
+      redis.call('DEL', fkey)
+      v = {}
+    end
     f = {a = tonumber(v[1]) or 0, s = tonumber(v[2]) or 0, t = tonumber(v[3]) or 0,
          new = not v[1], dirty = false}
     fences[fkey] = f
@@ -107,7 +117,14 @@ while pos <= #packed do
   end
   if ok then
     if typ == 'restart' then f.s = 0; f.dirty = true end
-    local id = redis.call('XADD', KEYS[i], '*', 'type', typ, 'data', data)
+    local id = redis.pcall('XADD', KEYS[i], '*', 'type', typ, 'data', data)
+    if type(id) == 'table' and id.err then
+      if not string.find(id.err, 'WRONGTYPE', 1, true) then
+        return redis.error_reply(id.err)  -- out of memory, a failed disk write: refused
+      end
+      redis.call('DEL', KEYS[i])  -- not a stream: not ours
+      id = redis.call('XADD', KEYS[i], '*', 'type', typ, 'data', data)
+    end
     redis.call('PUBLISH', channel, id .. ' ' .. typ .. ' ' .. data)
     if ttl > 0 then
       redis.call('EXPIRE', KEYS[i], ttl)
