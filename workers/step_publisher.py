@@ -13,11 +13,10 @@ step; the thread now only reads the replies still owed when the batcher goes idl
 reply is late, and re-sends during an outage.
 
 Redis outages: a send or a reply that fails (an error reply too: Redis out of memory)
-switches the publisher to RECOVERING. From
-then on the batcher only queues its steps (bounded: `max_pending_steps`; a full queue
-blocks the batcher, which is back-pressure, not loss), and the publisher thread re-sends
-every step whose reply it did not read, in order, with backoff, until Redis answers; then
-it switches back to direct sends. A re-sent step may have been stored the first time:
+switches the publisher to RECOVERING. From then on the batcher only queues its steps
+(bounded: `max_pending_steps`; a full queue blocks the batcher, which is back-pressure,
+not loss), and the publisher thread re-sends every step whose reply it did not read, in
+order, with backoff, until Redis answers; then it switches back to direct sends. A re-sent step may have been stored the first time:
 each event carries its job's attempt and a sequence number, and the publish script stores
 an event only if its sequence number is new (tasks/streams/publish.py), so a client sees
 every token exactly once. Each step with events has its place in the publisher's order,
