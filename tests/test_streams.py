@@ -467,3 +467,47 @@ def test_a_job_whose_keys_hold_something_else_does_not_stop_the_others(
     # the fence works on: a re-sent event is dropped, the next one stored
     assert publisher.publish([(broken_fence, token)], [EventFence(1, 1)]) == [None]
     assert publisher.publish([(broken_fence, _tokens(1, 1)[0])], [EventFence(1, 2)])[0]
+
+
+def test_the_step_publisher_goes_on_after_redis_comes_back_from_an_older_snapshot(
+        tmp_path, service_settings):
+    """Redis restarted from a snapshot older than its last acknowledged steps (its order
+    key behind the publisher's): the publisher re-sends and goes on, rather than having
+    every later step refused as out of order."""
+    from tasks.redis_client import make_redis
+    from tests.fault_helpers import RedisServer
+    from workers.step_publisher import StepPublisher
+
+    server = RedisServer(tmp_path, persistent=False)
+    client = make_redis(server.url)
+    try:
+        job = str(uuid.uuid4())
+        publisher = StepPublisher(EventPublisher(client, service_settings).sender(),
+                                  lambda result: None)
+        publisher.start()
+
+        def step(token: int) -> None:
+            publisher.before_step()
+            publisher.submit([(job, _tokens(1, token)[0])], {job: 1}, [])
+            publisher.idle()  # every reply read: each step is acknowledged
+
+        for token in range(3):
+            step(token)
+        client.save()  # the snapshot the restart comes back from
+        for token in range(3, 6):
+            step(token)
+        server.restart()  # steps 3-5 are lost with it
+        for token in range(6, 9):
+            step(token)
+        deadline = time.monotonic() + 15
+        while publisher.recovering and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not publisher.recovering
+        step(9)
+        publisher.stop()
+        stored = [e.token_ids[0] for _, e in EventSubscriber(client, service_settings)
+                  .read_events(job)]
+        assert stored == [0, 1, 2, 6, 7, 8, 9]
+    finally:
+        client.close()
+        server.stop()

@@ -16,13 +16,16 @@ Redis outages: a send or a reply that fails (an error reply too: Redis out of me
 switches the publisher to RECOVERING. From then on the batcher only queues its steps
 (bounded: `max_pending_steps`; a full queue blocks the batcher, which is back-pressure,
 not loss), and the publisher thread re-sends every step whose reply it did not read, in
-order, with backoff, until Redis answers; then it switches back to direct sends. A re-sent step may have been stored the first time:
-each event carries its job's attempt and a sequence number, and the publish script stores
-an event only if its sequence number is new (tasks/streams/publish.py), so a client sees
-every token exactly once. Each step with events has its place in the publisher's order,
-and Redis refuses a step while an earlier one is not stored: a step sent behind one that
-Redis refused is not stored ahead of it (its tokens would be ahead of the refused ones,
-whose re-send the sequence numbers then drop).
+order, with backoff, until Redis answers; then it switches back to direct sends. A
+re-sent step may have been stored the first time: each event carries its job's attempt
+and a sequence number, and the publish script stores an event only if its sequence number
+is new (tasks/streams/publish.py), so a client sees every token exactly once. Each step
+with events has its place in the publisher's order, and Redis refuses a step while an
+earlier one is not stored: a step sent behind one that Redis refused is not stored ahead
+of it (its tokens would be ahead of the refused ones, whose re-send the sequence numbers
+then drop). The thread's re-sends, one at a time after every earlier reply was read, are
+never refused: Redis restored from an older snapshot has lost steps it acknowledged, and
+the order goes on.
 
 NOTE (order): one FIFO. A step's finished results are handed to the writer only after that
 step's token events are stored, and the writer publishes a terminal event only after
@@ -60,10 +63,12 @@ class EventSender(Protocol):
     (`tasks.streams.publish.PipelinedSender`)."""
 
     def send(self, events: list[tuple[str, JobEvent]],
-             fences: list[EventFence] | None = None, order: int = 0) -> object:
+             fences: list[EventFence] | None = None, order: int = 0,
+             earlier_stored: bool = False) -> object:
         """Send `events` now, as the `order`-th send (a re-send keeps its place: Redis
-        refuses a send while an earlier one is not stored); returns an opaque handle for
-        `receive`. Raises on failure, and keeps raising until `reset`."""
+        refuses a send while an earlier one is not stored, unless `earlier_stored`: every
+        earlier reply was read); returns an opaque handle for `receive`. Raises on
+        failure, and keeps raising until `reset`."""
         ...
 
     def ready(self, handle: object, timeout: float = 0.0) -> bool:
@@ -309,7 +314,10 @@ class StepPublisher:
         while not self._stopping.is_set():
             try:
                 self.sender.reset()
-                handle = self.sender.send(step.events, step.fences, step.order)
+                # NOTE: the thread sends one step at a time, after every earlier step's
+                # reply was read: an order Redis kept behind it is one it lost
+                handle = self.sender.send(step.events, step.fences, step.order,
+                                          earlier_stored=True)
                 self.sender.receive(handle)
                 self.num_resent += 1
                 return True

@@ -41,7 +41,10 @@ from tasks.settings import Settings
 # numbers then drop as old: tokens lost. So each send of a pipelined sender names the
 # sender's order key and its place in the sender's order; a send is refused
 # ("OUTOFORDER") while the one before it is not stored, and stores nothing. An order key
-# that is gone (expired, Redis restarted empty) refuses nothing.
+# that is gone (expired, Redis restarted empty) refuses nothing. A send made once every
+# earlier one is known to be stored (a re-send, one at a time) is never refused: a key
+# behind it means Redis lost what it had acknowledged (restored from an older snapshot),
+# and the order goes on from that send.
 #
 # KEYS HOLDING SOMETHING ELSE. A job's stream or fence key that holds another type
 # (written by hand, or by something else sharing the prefix) would fail every step that
@@ -53,7 +56,8 @@ from tasks.settings import Settings
 # records separated by \x1e, each "channel \x1f type \x1f data \x1f ttl \x1f attempt
 # \x1f seq" (ttl 0: leave the stream as is). ARGV[2]: the fence's TTL in seconds.
 # ARGV[3]: the sender's order key ('': not ordered), ARGV[4]: this send's place in it
-# (1, 2, ...), ARGV[5]: the order key's TTL in seconds.
+# (1, 2, ...), ARGV[5]: the order key's TTL in seconds, ARGV[6]: '1' when every earlier
+# send is stored (never refused).
 # NOTE: packed into one argument because packing hundreds of arguments costs the worker
 # more Python time than the script costs Redis. The separators cannot occur in a record:
 # `data` is json.dumps output (control characters escaped), the rest are names we make.
@@ -70,7 +74,7 @@ local place = tonumber(ARGV[4]) or 0
 local last_placed = nil
 if order_key ~= '' then
   last_placed = tonumber(redis.call('GET', order_key) or '')
-  if last_placed and place > last_placed + 1 then
+  if last_placed and place > last_placed + 1 and ARGV[6] ~= '1' then
     return redis.error_reply('OUTOFORDER send ' .. place .. ' follows send ' ..
                              last_placed .. ': one between them is not stored')
   end
@@ -184,7 +188,7 @@ class EventPublisher:
             return []
         keys, packed = self._encode(events, fences)
         entry_ids = self._script(keys=keys, args=[packed, self._settings.stream_ttl_seconds,
-                                                  "", 0, 0])
+                                                  "", 0, 0, 0])
         return _entry_ids(entry_ids)
 
     def sender(self) -> PipelinedSender:
@@ -254,11 +258,13 @@ class PipelinedSender:
             self._broken = False
 
     def send(self, events: list[tuple[str, JobEvent]],
-             fences: list[EventFence] | None = None, order: int = 0) -> Any:
+             fences: list[EventFence] | None = None, order: int = 0,
+             earlier_stored: bool = False) -> Any:
         """Send one EVAL for `events`; returns the handle `receive` takes. `order`: this
         send's place in the owner's order (1, 2, ...; a re-send keeps its place), which
-        Redis keeps (0: none). Raises on a broken connection (the next send opens a new
-        one)."""
+        Redis keeps (0: none); `earlier_stored`: the owner read every earlier send's reply
+        (a re-send one at a time), so Redis does not refuse it whatever order it has kept.
+        Raises on a broken connection (the next send opens a new one)."""
         keys, packed = self._publisher._encode(events, fences)
         fence_ttl = self._publisher._settings.stream_ttl_seconds
         order_key = self._order_key if order > 0 else ""
@@ -280,7 +286,7 @@ class PipelinedSender:
                 # NOTE: EVAL, not EVALSHA: no NOSCRIPT retry is possible once the reply is
                 # another thread's to read, and Redis caches the compiled script anyway.
                 conn.send_command("EVAL", _PUBLISH_LUA, len(keys), *keys, packed, fence_ttl,
-                                  order_key, order, ORDER_TTL_SECONDS)
+                                  order_key, order, ORDER_TTL_SECONDS, int(earlier_stored))
             except BaseException:
                 if conn is not None:
                     self._drop(conn)
