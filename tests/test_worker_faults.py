@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -158,21 +159,23 @@ def _follow(base_url: str, job_id: str, seen: dict[str, list[tuple[str, str]]],
     errors.append(f"{job_id}: no terminal event")
 
 
-def test_redis_down_ten_seconds_mid_stream_every_client_gets_every_token_once(
-        settings, redis, redis_server, session_factory, start_web, tmp_path):
-    base_url = start_web(settings)
-    worker = _start_worker(settings, redis, tmp_path, "redis-down")
+def _stream_through(fault: Callable[[], None], settings, redis, session_factory,
+                    base_url: str, worker: WorkerProcess, num_jobs: int) -> None:
+    """Submit `num_jobs` jobs, follow each with a client that reconnects with
+    Last-Event-ID, run `fault()` once tokens flow; then every job succeeded on its first
+    attempt, its stream holds its stored text, and its client got every token once and
+    one terminal event."""
     seen: dict[str, list[tuple[str, str]]] = {}
     errors: list[str] = []
     try:
         ids = [submit(base_url, prompt=f"tokens {i}", max_tokens=400, ignore_eos=True,
-                      temperature=0.0)["id"] for i in range(4)]
+                      temperature=0.0)["id"] for i in range(num_jobs)]
         clients = [threading.Thread(target=_follow, args=(base_url, i, seen, errors),
                                     daemon=True) for i in ids]
         for client in clients:
             client.start()
         wait_for(lambda: all(len(seen.get(i, [])) >= 5 for i in ids), 60, "tokens flowing")
-        redis_server.restart(down_seconds=10.0)
+        fault()
         with Beat(settings, session_factory):
             rows = _wait_all_terminal(session_factory, ids, 60)
             for client in clients:
@@ -189,52 +192,43 @@ def test_redis_down_ten_seconds_mid_stream_every_client_gets_every_token_once(
         events = seen[job_id]
         assert [t for t, _ in events if t in ("done", "error", "cancelled")] == ["done"]
         assert "".join(text for t, text in events if t == "token") == row.output_text
+
+
+def test_redis_down_ten_seconds_mid_stream_every_client_gets_every_token_once(
+        settings, redis, redis_server, session_factory, start_web, tmp_path):
+    base_url = start_web(settings)
+    worker = _start_worker(settings, redis, tmp_path, "redis-down")
+    _stream_through(lambda: redis_server.restart(down_seconds=10.0), settings, redis,
+                    session_factory, base_url, worker, num_jobs=4)
 
 
 def test_redis_at_its_memory_limit_now_and_then_every_client_gets_every_token_once(
         settings, redis, redis_server, session_factory, start_web, tmp_path):
     """Redis refuses writes now and then (its memory limit switched on and off by another
     client) while jobs stream: a refused publish is re-sent in order, and no step behind it
-    is stored ahead of it, so every stream holds the stored text and no job runs twice."""
+    is stored ahead of it."""
     base_url = start_web(settings)
     # every step's tokens published at once: steps follow each other with publishes
     # still on their way, where one refused must not be overtaken
     worker = _start_worker(settings, redis, tmp_path, "redis-oom",
                            LLMQ_STREAM_INTERVAL_SECONDS="0")
-    seen: dict[str, list[tuple[str, str]]] = {}
-    errors: list[str] = []
     flipping = make_redis(settings.redis_url)
-    try:
-        ids = [submit(base_url, prompt=f"limit {i}", max_tokens=400, ignore_eos=True,
-                      temperature=0.0)["id"] for i in range(8)]
-        clients = [threading.Thread(target=_follow, args=(base_url, i, seen, errors),
-                                    daemon=True) for i in ids]
-        for client in clients:
-            client.start()
-        wait_for(lambda: all(len(seen.get(i, [])) >= 5 for i in ids), 60, "tokens flowing")
+
+    def refuse_writes_now_and_then() -> None:
         until = time.monotonic() + 2.0
-        while time.monotonic() < until:
-            flipping.config_set("maxmemory", 1)
+        try:
+            while time.monotonic() < until:
+                flipping.config_set("maxmemory", 1)
+                flipping.config_set("maxmemory", 0)
+        finally:
             flipping.config_set("maxmemory", 0)
-        with Beat(settings, session_factory):
-            rows = _wait_all_terminal(session_factory, ids, 60)
-            for client in clients:
-                client.join(60)
-        assert worker.process.poll() is None, worker.log_tail()
+
+    try:
+        _stream_through(refuse_writes_now_and_then, settings, redis, session_factory,
+                        base_url, worker, num_jobs=8)
     finally:
-        flipping.config_set("maxmemory", 0)
         flipping.close()
-        code = worker.terminate()
-    assert code == 0, worker.log_tail()
     assert "OOM" in worker.log_path.read_text(errors="replace")  # publishes were refused
-    assert not errors
-    for job_id in ids:
-        row = rows[job_id]
-        assert row.status == JobStatus.SUCCEEDED.value and row.attempts == 1
-        _check_stream(redis, settings, row)
-        events = seen[job_id]
-        assert [t for t, _ in events if t in ("done", "error", "cancelled")] == ["done"]
-        assert "".join(text for t, text in events if t == "token") == row.output_text
 
 
 def test_a_worker_started_before_redis_waits_for_it(settings, redis, redis_server,
