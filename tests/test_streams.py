@@ -269,118 +269,116 @@ def test_the_batcher_reads_its_replies_and_a_connection_lost_in_flight_loses_not
         assert counts[job] == len(list(subscriber.read_events(job)))
 
 
-def test_a_send_redis_refuses_is_not_overtaken_by_the_next_one(tmp_path, service_settings):
-    """Redis refuses a step (out of memory: an error reply, the connection fine) and runs
-    the next one, already on its way: the next is refused too rather than stored ahead of
-    the refused one, whose re-send would then be dropped as old. Re-sent in order, every
-    token is stored once, in order."""
+@pytest.fixture
+def private_redis(tmp_path):
+    """A redis-server of the test's own (its memory limit and restarts reach no other
+    test), and a client of it."""
     from tasks.redis_client import make_redis
-    from tasks.streams.publish import EventFence
     from tests.fault_helpers import RedisServer
 
     server = RedisServer(tmp_path, persistent=False)
     client = make_redis(server.url)
-    try:
-        sender = EventPublisher(client, service_settings).sender()
-        job = str(uuid.uuid4())
-        steps = [([(job, token)], [EventFence(1, i + 1)]) for i, token in enumerate(_tokens(4))]
-        sender.receive(sender.send(*steps[0], order=1))
-        client.config_set("maxmemory", 1)  # every write refused
-        refused = sender.send(*steps[1], order=2)
-        deadline = time.monotonic() + 5
-        while not sender.ready(refused) and time.monotonic() < deadline:
-            time.sleep(0.001)  # Redis has answered it (the reply is not read)
-        client.config_set("maxmemory", 0)
-        behind = sender.send(*steps[2], order=3)
-        with pytest.raises(redis.ResponseError, match="OOM"):
-            sender.receive(refused)
-        with pytest.raises(redis.RedisError):  # refused, its reply never read
-            sender.receive(behind)
-        subscriber = EventSubscriber(client, service_settings)
-        assert [e.token_ids for _, e in subscriber.read_events(job)] == [[0]]
-        sender.reset()
-        with pytest.raises(redis.ResponseError, match="OUTOFORDER"):  # a new connection
-            sender.receive(sender.send(*steps[3], order=4))
-
-        sender.reset()  # the owner re-sends from the first refused one, in order
-        for order, step in enumerate(steps[1:], start=2):
-            sender.receive(sender.send(*step, order=order))
-        assert [e.token_ids for _, e in subscriber.read_events(job)] == [[0], [1], [2], [3]]
-        sender.close()
-    finally:
-        client.close()
-        server.stop()
+    yield server, client
+    client.close()
+    server.stop()
 
 
+def test_a_send_redis_refuses_is_not_overtaken_by_the_next_one(private_redis, service_settings):
+    """Redis refuses a step (out of memory: an error reply, the connection fine) and runs
+    the next one, already on its way: the next is refused too rather than stored ahead of
+    the refused one, whose re-send would then be dropped as old. Re-sent in order, every
+    token is stored once, in order."""
+    from tasks.streams.publish import EventFence
 
-def test_steps_published_while_redis_is_out_of_memory_lose_nothing(tmp_path,
+    _, client = private_redis
+    sender = EventPublisher(client, service_settings).sender()
+    job = str(uuid.uuid4())
+    steps = [([(job, token)], [EventFence(1, i + 1)]) for i, token in enumerate(_tokens(4))]
+    sender.receive(sender.send(*steps[0], order=1))
+    client.config_set("maxmemory", 1)  # every write refused
+    refused = sender.send(*steps[1], order=2)
+    deadline = time.monotonic() + 5
+    while not sender.ready(refused) and time.monotonic() < deadline:
+        time.sleep(0.001)  # Redis has answered it (the reply is not read)
+    client.config_set("maxmemory", 0)
+    behind = sender.send(*steps[2], order=3)
+    with pytest.raises(redis.ResponseError, match="OOM"):
+        sender.receive(refused)
+    with pytest.raises(redis.RedisError):  # refused, its reply never read
+        sender.receive(behind)
+    subscriber = EventSubscriber(client, service_settings)
+    assert [e.token_ids for _, e in subscriber.read_events(job)] == [[0]]
+    sender.reset()
+    with pytest.raises(redis.ResponseError, match="OUTOFORDER"):  # a new connection
+        sender.receive(sender.send(*steps[3], order=4))
+
+    sender.reset()  # the owner re-sends from the first refused one, in order
+    for order, step in enumerate(steps[1:], start=2):
+        sender.receive(sender.send(*step, order=order))
+    assert [e.token_ids for _, e in subscriber.read_events(job)] == [[0], [1], [2], [3]]
+    sender.close()
+
+
+def test_steps_published_while_redis_is_out_of_memory_lose_nothing(private_redis,
                                                                    service_settings):
     """StepPublisher as the batcher drives it, steps following each other while Redis
     refuses every write for a while (maxmemory): the refused steps and those behind them
     wait and are re-sent in order once Redis takes writes again; every token is stored
     once, in order, and each result is handed on once, after its job's events."""
-    from tasks.redis_client import make_redis
-    from tests.fault_helpers import RedisServer
     from workers.step_publisher import StepPublisher
 
-    server = RedisServer(tmp_path, persistent=False)
-    client = make_redis(server.url)
-    try:
-        subscriber = EventSubscriber(client, service_settings)
-        jobs = [str(uuid.uuid4()) for _ in range(2)]
-        handed: list[tuple[str, int]] = []
-        publisher = StepPublisher(
-            EventPublisher(client, service_settings).sender(),
-            lambda result: handed.append(
-                (result.job_id, len(list(subscriber.read_events(result.job_id))))))
-        publisher.start()
-        attempts = {job: 1 for job in jobs}
+    _, client = private_redis
+    subscriber = EventSubscriber(client, service_settings)
+    jobs = [str(uuid.uuid4()) for _ in range(2)]
+    handed: list[tuple[str, int]] = []
+    publisher = StepPublisher(
+        EventPublisher(client, service_settings).sender(),
+        lambda result: handed.append(
+            (result.job_id, len(list(subscriber.read_events(result.job_id))))))
+    publisher.start()
+    attempts = {job: 1 for job in jobs}
 
-        def step(token: int, ended: str | None = None) -> None:
-            publisher.before_step()
-            events = [(job, _tokens(1, token)[0]) for job in jobs
-                      if job not in {done for done, _ in handed}]
-            publisher.submit(events + ([(ended, _done())] if ended else []), attempts,
-                             [_result(ended)] if ended else [])
-            time.sleep(0.0005)  # a short step: replies are often still on their way
+    def step(token: int, ended: str | None = None) -> None:
+        publisher.before_step()
+        events = [(job, _tokens(1, token)[0]) for job in jobs
+                  if job not in {done for done, _ in handed}]
+        publisher.submit(events + ([(ended, _done())] if ended else []), attempts,
+                         [_result(ended)] if ended else [])
+        time.sleep(0.0005)  # a short step: replies are often still on their way
 
-        for token in range(20):
-            step(token)
-        client.config_set("maxmemory", 1)
-        for token in range(20, 40):
-            step(token, jobs[0] if token == 39 else None)
-        assert publisher.recovering and not handed
-        client.config_set("maxmemory", 0)
-        for token in range(40, 60):
-            step(token)
-        step(60, jobs[1])
-        publisher.idle()
-        publisher.stop()
+    for token in range(20):
+        step(token)
+    client.config_set("maxmemory", 1)
+    for token in range(20, 40):
+        step(token, jobs[0] if token == 39 else None)
+    assert publisher.recovering and not handed
+    client.config_set("maxmemory", 0)
+    for token in range(40, 60):
+        step(token)
+    step(60, jobs[1])
+    publisher.idle()
+    publisher.stop()
 
-        assert [job for job, _ in handed] == jobs
-        assert publisher.num_failed >= 1
-        for job, last in zip(jobs, (39, 60), strict=True):
-            stored = [e for _, e in subscriber.read_events(job)]
-            assert [e.token_ids[0] for e in stored if e.type is EventType.TOKEN] \
-                == list(range(last + 1))
-            assert [e.type for e in stored][-1] is EventType.DONE
-        assert dict(handed) == {job: len(list(subscriber.read_events(job))) for job in jobs}
-    finally:
-        client.close()
-        server.stop()
+    assert [job for job, _ in handed] == jobs
+    assert publisher.num_failed >= 1
+    for job, last in zip(jobs, (39, 60), strict=True):
+        stored = [e for _, e in subscriber.read_events(job)]
+        assert [e.token_ids[0] for e in stored if e.type is EventType.TOKEN] \
+            == list(range(last + 1))
+        assert [e.type for e in stored][-1] is EventType.DONE
+    assert dict(handed) == {job: len(list(subscriber.read_events(job))) for job in jobs}
 
 
 def test_steps_in_flight_while_redis_refuses_writes_now_and_then_lose_nothing(
-        tmp_path, service_settings):
+        private_redis, service_settings):
     """Steps sent back to back, their replies read as the batcher reads them, while another
     client turns Redis's memory limit on and off: a step refused while the next is on its
     way must not leave a hole (the next stored ahead of it, its re-send then dropped)."""
     from tasks.redis_client import make_redis
-    from tests.fault_helpers import RedisServer
     from workers.step_publisher import StepPublisher
 
-    server = RedisServer(tmp_path, persistent=False)
-    client, flipping = make_redis(server.url), make_redis(server.url)
+    server, client = private_redis
+    flipping = make_redis(server.url)
     stop = threading.Event()
 
     def flip() -> None:
@@ -389,62 +387,51 @@ def test_steps_in_flight_while_redis_refuses_writes_now_and_then_lose_nothing(
             flipping.config_set("maxmemory", 0)
 
     flipper = threading.Thread(target=flip, daemon=True)
+    jobs = [str(uuid.uuid4()) for _ in range(3)]
+    publisher = StepPublisher(EventPublisher(client, service_settings).sender(),
+                              lambda result: None)
+    publisher.start()
+    flipper.start()
     try:
-        jobs = [str(uuid.uuid4()) for _ in range(3)]
-        publisher = StepPublisher(EventPublisher(client, service_settings).sender(),
-                                  lambda result: None)
-        publisher.start()
-        flipper.start()
         for token in range(2000):
             publisher.before_step()
             publisher.submit([(job, _tokens(1, token)[0]) for job in jobs],
                              {job: 1 for job in jobs}, [])
+    finally:
         stop.set()
         flipper.join(10)
-        publisher.idle()
-        publisher.stop()
-        assert publisher.num_failed >= 1  # some steps were refused
-        subscriber = EventSubscriber(client, service_settings)
-        for job in jobs:
-            assert [e.token_ids[0] for _, e in subscriber.read_events(job)] \
-                == list(range(2000))
-    finally:
-        stop.set()
-        client.close()
         flipping.close()
-        server.stop()
+    publisher.idle()
+    publisher.stop()
+    assert publisher.num_failed >= 1  # some steps were refused
+    subscriber = EventSubscriber(client, service_settings)
+    for job in jobs:
+        assert [e.token_ids[0] for _, e in subscriber.read_events(job)] == list(range(2000))
 
 
-def test_an_ordered_sender_goes_on_after_redis_restarts_empty(tmp_path, service_settings):
+def test_an_ordered_sender_goes_on_after_redis_restarts_empty(private_redis, service_settings):
     """Redis restarted without its data (its order key gone with the streams): the sender's
     next send on a new connection is stored, not refused as out of order."""
-    from tasks.redis_client import make_redis
     from tasks.streams.publish import EventFence
-    from tests.fault_helpers import RedisServer
 
-    server = RedisServer(tmp_path, persistent=False)
-    client = make_redis(server.url)
-    try:
-        sender = EventPublisher(client, service_settings).sender()
-        job = str(uuid.uuid4())
-        tokens = _tokens(5)
-        for order in (1, 2, 3):
-            sender.receive(sender.send([(job, tokens[order - 1])], [EventFence(1, order)],
-                                       order=order))
-        server.restart()
-        with pytest.raises((redis.ConnectionError, OSError)):
-            sender.receive(sender.send([(job, tokens[3])], [EventFence(1, 4)], order=4))
-        sender.reset()
-        for order in (4, 5):
-            sender.receive(sender.send([(job, tokens[order - 1])], [EventFence(1, order)],
-                                       order=order))
-        stored = [e.token_ids for _, e in EventSubscriber(client, service_settings)
-                  .read_events(job)]
-        assert stored == [[3], [4]]  # what Redis had before is gone; nothing is refused
-        sender.close()
-    finally:
-        client.close()
-        server.stop()
+    server, client = private_redis
+    sender = EventPublisher(client, service_settings).sender()
+    job = str(uuid.uuid4())
+    tokens = _tokens(5)
+    for order in (1, 2, 3):
+        sender.receive(sender.send([(job, tokens[order - 1])], [EventFence(1, order)],
+                                   order=order))
+    server.restart()
+    with pytest.raises((redis.ConnectionError, OSError)):
+        sender.receive(sender.send([(job, tokens[3])], [EventFence(1, 4)], order=4))
+    sender.reset()
+    for order in (4, 5):
+        sender.receive(sender.send([(job, tokens[order - 1])], [EventFence(1, order)],
+                                   order=order))
+    stored = [e.token_ids for _, e in EventSubscriber(client, service_settings)
+              .read_events(job)]
+    assert stored == [[3], [4]]  # what Redis had before is gone; nothing is refused
+    sender.close()
 
 
 def test_a_job_whose_keys_hold_something_else_does_not_stop_the_others(
@@ -470,44 +457,37 @@ def test_a_job_whose_keys_hold_something_else_does_not_stop_the_others(
 
 
 def test_the_step_publisher_goes_on_after_redis_comes_back_from_an_older_snapshot(
-        tmp_path, service_settings):
+        private_redis, service_settings):
     """Redis restarted from a snapshot older than its last acknowledged steps (its order
     key behind the publisher's): the publisher re-sends and goes on, rather than having
     every later step refused as out of order."""
-    from tasks.redis_client import make_redis
-    from tests.fault_helpers import RedisServer
     from workers.step_publisher import StepPublisher
 
-    server = RedisServer(tmp_path, persistent=False)
-    client = make_redis(server.url)
-    try:
-        job = str(uuid.uuid4())
-        publisher = StepPublisher(EventPublisher(client, service_settings).sender(),
-                                  lambda result: None)
-        publisher.start()
+    server, client = private_redis
+    job = str(uuid.uuid4())
+    publisher = StepPublisher(EventPublisher(client, service_settings).sender(),
+                              lambda result: None)
+    publisher.start()
 
-        def step(token: int) -> None:
-            publisher.before_step()
-            publisher.submit([(job, _tokens(1, token)[0])], {job: 1}, [])
-            publisher.idle()  # every reply read: each step is acknowledged
+    def step(token: int) -> None:
+        publisher.before_step()
+        publisher.submit([(job, _tokens(1, token)[0])], {job: 1}, [])
+        publisher.idle()  # every reply read: each step is acknowledged
 
-        for token in range(3):
-            step(token)
-        client.save()  # the snapshot the restart comes back from
-        for token in range(3, 6):
-            step(token)
-        server.restart()  # steps 3-5 are lost with it
-        for token in range(6, 9):
-            step(token)
-        deadline = time.monotonic() + 15
-        while publisher.recovering and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert not publisher.recovering
-        step(9)
-        publisher.stop()
-        stored = [e.token_ids[0] for _, e in EventSubscriber(client, service_settings)
-                  .read_events(job)]
-        assert stored == [0, 1, 2, 6, 7, 8, 9]
-    finally:
-        client.close()
-        server.stop()
+    for token in range(3):
+        step(token)
+    client.save()  # the snapshot the restart comes back from
+    for token in range(3, 6):
+        step(token)
+    server.restart()  # steps 3-5 are lost with it
+    for token in range(6, 9):
+        step(token)
+    deadline = time.monotonic() + 15
+    while publisher.recovering and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not publisher.recovering
+    step(9)
+    publisher.stop()
+    stored = [e.token_ids[0] for _, e in EventSubscriber(client, service_settings)
+              .read_events(job)]
+    assert stored == [0, 1, 2, 6, 7, 8, 9]
