@@ -16,9 +16,11 @@ In one run, on one random checkpoint (written with `workers.engine.make_model`):
    while the lines ran (from two of the worker's heartbeats) beside the offline
    engine's: whether the batch is slower for emptier steps or for slower ones.
 
-The three run `--rounds` times in a row (the services stay up); each round's ratios are
-taken within the round, and the summary gives their medians: on a small shared machine
-the same code moves by a third from one run to the next.
+The three run `--rounds` times in a row (the services stay up), then the offline engine
+once more; each round's throughput ratio is the batch's rate against the mean of the
+offline runs just before and just after it (the ratio against the run before alone is
+printed too), its TTFT ratio within the round, and the summary gives their medians: on a
+small shared machine the same code moves by a third from one run to the next.
 
 Uses the Postgres and Redis this machine runs (a throwaway database and key prefix,
 removed at the end). Prints a Markdown table and, with --json, the raw figures.
@@ -48,6 +50,7 @@ from bench_pipeline import (  # noqa: E402
     Services,
     cpu_snapshot,
     load_offline_engine,
+    offline_around,
     prompts,
     thread_cpu,
     thread_waits,
@@ -317,8 +320,7 @@ def run_round(engine: Any, client: Any, args: argparse.Namespace, services: Serv
     return {"offline": offline, "busy": busy, "idle_ttft_ms": idle_ms,
             "busy_ttft_ms": busy_ms, "num_idle_requests": len(idle),
             "num_busy_requests": len(busy_ttft), "phases": phases,
-            "ttft_ratio": busy_ms["p50"] / idle_ms["p50"],
-            "throughput_ratio": busy["tokens_per_s"] / offline["tokens_per_s"]}
+            "ttft_ratio": busy_ms["p50"] / idle_ms["p50"]}
 
 
 def round_row(index: int, r: dict[str, Any]) -> str:
@@ -335,7 +337,7 @@ def round_row(index: int, r: dict[str, Any]) -> str:
             f"{phases['idle']['claim_ms_p50']:.0f}, {phases['idle']['first_token_ms_p50']:.0f}"
             f" / {phases['busy']['claim_ms_p50']:.0f}, "
             f"{phases['busy']['first_token_ms_p50']:.0f} ms | "
-            f"{busy['tokens_per_s']:.0f} / {offline['tokens_per_s']:.0f}: "
+            f"{busy['tokens_per_s']:.0f} / {r['offline_around_tokens_per_s']:.0f}: "
             f"**{100 * r['throughput_ratio']:.0f}%** | {busy['completed']} / {busy['failed']}"
             f" | {busy['first_line_seconds']:.2f} / {busy['validate_seconds']:.1f} s | {cpu} | "
             f"{busy['tokens_per_step']:.1f} / {offline['tokens_per_step']:.1f}; "
@@ -370,9 +372,18 @@ def main(argv: list[str] | None = None) -> int:
                                max_retries=0, timeout=600)
         ttft(client, args, -1)  # warm up
         rounds = [run_round(engine, client, args, services, i) for i in range(args.rounds)]
+        closing = run_offline(engine, args, "closing")
+        print(f"offline after the last round: {json.dumps(closing)}", flush=True)
     finally:
         services.close()
-    figures = {"args": vars(args), "rounds": rounds, "cpu": _cpu_model(),
+    offline_runs = [r["offline"] for r in rounds] + [closing]
+    for r, rate in zip(rounds, offline_around(offline_runs)):
+        r["offline_around_tokens_per_s"] = rate
+        r["throughput_ratio"] = r["busy"]["tokens_per_s"] / rate
+        r["throughput_ratio_to_offline_before"] = (r["busy"]["tokens_per_s"]
+                                                   / r["offline"]["tokens_per_s"])
+    figures = {"args": vars(args), "rounds": rounds, "offline_closing": closing,
+               "cpu": _cpu_model(),
                "cpu_count": os.cpu_count(), "load_average_1m": os.getloadavg()[0]}
     ttft_ratios = [r["ttft_ratio"] for r in rounds]
     throughput_ratios = [r["throughput_ratio"] for r in rounds]
@@ -383,9 +394,10 @@ def main(argv: list[str] | None = None) -> int:
           "the end\n")
     print("| round | interactive TTFT p50 (p99), idle / beside the batch | busy / idle | "
           "queued to claimed, claimed to first token (p50; idle / busy) | batch tok/s / "
-          "offline engine | lines completed / failed | first line claimed / all validated "
-          "| batcher: share of wall time, CPU per output token / offline engine's "
-          "| steps while the lines ran: tokens per step, time per step / offline engine's |")
+          "offline engine (mean of the runs before and after) | lines completed / failed | "
+          "first line claimed / all validated | batcher: share of wall time, CPU per output "
+          "token / offline engine's | steps while the lines ran: tokens per step, time per "
+          "step / offline engine's |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for i, r in enumerate(rounds):
         print(round_row(i, r))
@@ -395,6 +407,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{100 * statistics.median(throughput_ratios):.0f}% of the offline engine** "
           f"(target >= 80%; rounds {', '.join(f'{100 * x:.0f}%' for x in throughput_ratios)})"
           "\n")
+    before_only = [r["throughput_ratio_to_offline_before"] for r in rounds]
+    print("offline engine, output tok/s, before each round then after the last: "
+          + " / ".join(f"{run['tokens_per_s']:.0f}" for run in offline_runs)
+          + "; the batch against the offline run before it alone: "
+          + ", ".join(f"{100 * x:.0f}%" for x in before_only)
+          + f" (median {100 * statistics.median(before_only):.0f}%)\n")
     for i, r in enumerate(rounds):
         print(neighbours_line(i, r["busy"]))
     if args.json:

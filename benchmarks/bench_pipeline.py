@@ -18,6 +18,10 @@ In one run, on one random checkpoint (written with `workers.engine.make_model`):
 3. submissions/s: `--submit-jobs` POSTs from `--submit-threads` threads for a model no
    worker serves (the rows stay queued; only the API, Postgres and the broker are timed).
 
+Rounds (`--rounds`) run 1 then 2; one more offline run follows the last round, and each
+round's ratio is its end-to-end rate against the mean of the offline runs just before and
+just after it (the ratio against the run before alone is printed too).
+
 Uses the Postgres and Redis this machine runs (a throwaway database and key prefix,
 removed at the end). Prints a Markdown table and, with --json, the raw figures.
 """
@@ -65,8 +69,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-jobs", type=int, default=64, help="concurrent jobs (= SSE streams)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--rounds", type=int, default=3,
-                   help="offline run then pipeline run, this many times; the ratio is "
-                        "taken per round (this machine's speed drifts between minutes)")
+                   help="offline run then pipeline run, this many times, and one more "
+                        "offline run; the ratio is taken per round against the offline "
+                        "runs on both sides (this machine's speed drifts between minutes)")
     p.add_argument("--prompt-words", type=int, default=16)
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads of the engine, offline and in the worker")
@@ -114,7 +119,19 @@ def load_offline_engine(model_dir: str, args: argparse.Namespace, settings: Sett
     return engine
 
 
-def run_offline(engine: Any, args: argparse.Namespace, round_index: int) -> dict[str, Any]:
+def offline_around(offline_runs: list[dict[str, Any]],
+                   key: str = "tokens_per_s") -> list[float]:
+    """The offline engine's rate around each served run, from the offline runs in the
+    order they ran, one before each served run and one after the last: the mean of the
+    runs on both sides of it. This machine's speed drifts from minute to minute
+    (docs/benchmarks.md); a served run set against the offline run on one side alone
+    carries that drift into its ratio, either way."""
+    return [(before[key] + after[key]) / 2
+            for before, after in zip(offline_runs, offline_runs[1:])]
+
+
+def run_offline(engine: Any, args: argparse.Namespace,
+                round_index: int | str) -> dict[str, Any]:
     from tasks.params import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0)
@@ -515,18 +532,26 @@ def main(argv: list[str] | None = None) -> int:
             pipeline.update(job_timings(services, last=args.num_jobs))
             latencies = pipeline.pop("latencies")
             print(f"round {index + 1} pipeline: {json.dumps(pipeline)}", flush=True)
-            rounds.append({"offline": offline, "pipeline": pipeline, "latencies": latencies,
-                           "ratio": pipeline["tokens_per_s"] / offline["tokens_per_s"],
-                           "steady_ratio": pipeline["steady_tokens_per_s"]
-                           / offline["steady_tokens_per_s"]})
+            rounds.append({"offline": offline, "pipeline": pipeline, "latencies": latencies})
+        closing = run_offline(engine, args, "closing")
+        print(f"offline after the last round: {json.dumps(closing)}", flush=True)
         submissions = run_submissions(services, args)
     finally:
         services.close()
+    offline_runs = [r["offline"] for r in rounds] + [closing]
+    for r, rate, steady_rate in zip(rounds, offline_around(offline_runs),
+                                    offline_around(offline_runs, "steady_tokens_per_s")):
+        served = r["pipeline"]
+        r["offline_around_tokens_per_s"] = rate
+        r["ratio"] = served["tokens_per_s"] / rate
+        r["ratio_to_offline_before"] = served["tokens_per_s"] / r["offline"]["tokens_per_s"]
+        r["steady_ratio"] = served["steady_tokens_per_s"] / steady_rate
     latencies = sorted(x for r in rounds for x in r.pop("latencies"))
     ratios = [r["ratio"] for r in rounds]
     steady = [r["steady_ratio"] for r in rounds]
     load = os.getloadavg()[0]
-    figures = {"args": vars(args), "rounds": rounds, "submissions": submissions,
+    figures = {"args": vars(args), "rounds": rounds, "offline_closing": closing,
+               "submissions": submissions,
                "median_ratio": statistics.median(ratios),
                "median_steady_ratio": statistics.median(steady),
                "latency_ms": {f"p{q}": 1000 * _percentile(latencies, q / 100)
@@ -534,7 +559,9 @@ def main(argv: list[str] | None = None) -> int:
                "load_average_1m": load, "cpu_count": os.cpu_count()}
     per_round = " / ".join(f"{100 * r['ratio']:.0f}%" for r in rounds)
     per_round_steady = " / ".join(f"{100 * r['steady_ratio']:.0f}%" for r in rounds)
-    offline_rates = " / ".join(f"{r['offline']['tokens_per_s']:.0f}" for r in rounds)
+    before_only = [r["ratio_to_offline_before"] for r in rounds]
+    per_round_before = " / ".join(f"{100 * x:.0f}%" for x in before_only)
+    offline_rates = " / ".join(f"{r['tokens_per_s']:.0f}" for r in offline_runs)
     pipeline_rates = " / ".join(f"{r['pipeline']['tokens_per_s']:.0f}" for r in rounds)
     lat = figures["latency_ms"]
     p = rounds[-1]["pipeline"]
@@ -544,11 +571,14 @@ def main(argv: list[str] | None = None) -> int:
     rows = [
         ("workload", f"{args.num_jobs} jobs x {args.max_tokens} tokens, `{args.preset}` qwen3, "
                      f"{args.threads} torch thread(s), {args.rounds} rounds"),
-        ("offline engine, output tok/s (per round)", offline_rates),
+        ("offline engine, output tok/s (before each round, then after the last)",
+         offline_rates),
         ("end to end (HTTP + Celery + Redis + Postgres + SSE), output tok/s", pipeline_rates),
-        ("**end to end / offline** (per round; median)",
-         f"{per_round}; **{100 * figures['median_ratio']:.1f}%**"),
-        ("steady state (every job generating) / offline steady state",
+        ("**end to end / offline**, against the mean of the offline runs before and after "
+         "(per round; median)", f"{per_round}; **{100 * figures['median_ratio']:.1f}%**"),
+        ("end to end / the offline run before it alone (per round; median)",
+         f"{per_round_before}; {100 * statistics.median(before_only):.1f}%"),
+        ("steady state (every job generating) / offline steady state (before and after)",
          f"{per_round_steady}; median {100 * figures['median_steady_ratio']:.1f}%"),
         (f"token delivery latency, publish -> SSE client ({len(latencies)} events)",
          f"p50 {lat['p50']:.2f} ms, p90 {lat['p90']:.2f} ms, p99 {lat['p99']:.2f} ms"),
