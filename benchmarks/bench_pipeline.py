@@ -15,7 +15,11 @@ In one run, on one random checkpoint (written with `workers.engine.make_model`):
    go out at most once per `LLMQ_STREAM_INTERVAL_SECONDS` (the worker's setting, taken
    from the environment: 0 sends every step's tokens), so a token can also wait up to that
    interval before its event is published;
-3. submissions/s: `--submit-jobs` POSTs from `--submit-threads` threads for a model no
+3. the offline engine again, each request added when its job was created in the served
+   run (taken from the rows): what the admission ramp alone costs an engine with no
+   serving around it, which splits the end-to-end ratio into the ramp's share and the
+   serving's;
+4. submissions/s: `--submit-jobs` POSTs from `--submit-threads` threads for a model no
    worker serves (the rows stay queued; only the API, Postgres and the broker are timed).
 
 Rounds (`--rounds`) run 1 then 2; one more offline run follows the last round, and each
@@ -155,6 +159,34 @@ def run_offline(engine: Any, args: argparse.Namespace,
     return {"tokens": num_tokens, "seconds": elapsed, "tokens_per_s": num_tokens / elapsed,
             "steady_tokens_per_s": steady_rate,
             "cpu_seconds": round(time.process_time() - cpu_started, 2)}
+
+
+def run_offline_at(engine: Any, args: argparse.Namespace, round_index: int,
+                   arrivals: list[float]) -> dict[str, Any]:
+    """The offline engine fed the same requests at the times their jobs were created in a
+    served run (`arrivals`: seconds after its first POST), stepping whenever it has work:
+    what an engine with nothing around it makes of that admission ramp. Against the
+    offline run (every request at once) it is the ramp's own cost; the served run
+    against it is what the serving adds beyond the ramp."""
+    from tasks.params import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0)
+    texts = prompts(len(arrivals), args.prompt_words)
+    arrivals = sorted(arrivals)
+    added = num_tokens = 0
+    started = time.perf_counter()
+    while added < len(arrivals) or engine.has_unfinished_requests():
+        now = time.perf_counter() - started
+        while added < len(arrivals) and arrivals[added] <= now:
+            engine.add_request(f"round{round_index}-at-r{added}", texts[added], params)
+            added += 1
+        if engine.has_unfinished_requests():
+            num_tokens += sum(len(d.new_token_ids) for d in engine.step())
+        elif added < len(arrivals):
+            time.sleep(max(0.0, arrivals[added] - now))
+    elapsed = time.perf_counter() - started
+    return {"tokens": num_tokens, "seconds": elapsed, "tokens_per_s": num_tokens / elapsed,
+            "last_arrival_s": arrivals[-1] if arrivals else 0.0}
 
 
 class Services:
@@ -336,7 +368,7 @@ def run_pipeline(services: Services, args: argparse.Namespace) -> dict[str, Any]
     reader = SseReader(services.port)
     cpu_before = cpu_snapshot(services)
     waits_before = thread_waits(services.worker.pid, BATCHER_THREAD)
-    started = time.perf_counter()
+    started, started_wall = time.perf_counter(), time.time()
     with ThreadPoolExecutor(max_workers=16) as pool:
         futures = [pool.submit(submit, p) for p in prompts(args.num_jobs, args.prompt_words)]
         while reader.num_done < args.num_jobs:
@@ -356,7 +388,7 @@ def run_pipeline(services: Services, args: argparse.Namespace) -> dict[str, Any]
         raise RuntimeError(f"{len(reader.errors)} jobs did not succeed: {reader.errors[0]}")
     latencies = sorted(reader.latencies)
     return {
-        "tokens": reader.num_tokens, "seconds": elapsed,
+        "tokens": reader.num_tokens, "seconds": elapsed, "started_wall": started_wall,
         "tokens_per_s": reader.num_tokens / elapsed,
         "steady_tokens_per_s": reader.steady_rate(),
         "latencies": reader.latencies,
@@ -449,8 +481,9 @@ class SseReader:
                 self.errors.append(f"job {state['job_id']}: {kind} {fields.get(b'data')!r}")
 
 
-def job_timings(services: Services, last: int) -> dict[str, Any]:
-    """Where the `last` jobs' time went, from their rows: queue wait, first token."""
+def job_timings(services: Services, last: int, started_wall: float) -> dict[str, Any]:
+    """Where the `last` jobs' time went, from their rows: queue wait, first token; and
+    when each was created, in seconds after `started_wall` (the run's first POST)."""
     from sqlalchemy import select
 
     from tasks.db import create_db_engine, make_sessionmaker
@@ -472,7 +505,9 @@ def job_timings(services: Services, last: int) -> dict[str, Any]:
     def span(column: str) -> float:  # ms from the first job's creation to the last `column`
         return 1000 * (max(getattr(r, column) for r in rows) - first).total_seconds()
 
-    return {"created_span_ms": span("created_at"), "claimed_span_ms": span("started_at"),
+    return {"created_offsets_s": sorted(r.created_at.timestamp() - started_wall
+                                        for r in rows),
+            "created_span_ms": span("created_at"), "claimed_span_ms": span("started_at"),
             "first_token_span_ms": span("first_token_at"),
             "queue_wait_ms_p50": 1000 * _percentile(waits, 0.5),
             "queue_wait_ms_max": 1000 * waits[-1],
@@ -529,10 +564,16 @@ def main(argv: list[str] | None = None) -> int:
             offline = run_offline(engine, args, index)
             print(f"round {index + 1} offline: {json.dumps(offline)}", flush=True)
             pipeline = run_pipeline(services, args)
-            pipeline.update(job_timings(services, last=args.num_jobs))
+            pipeline.update(job_timings(services, last=args.num_jobs,
+                                        started_wall=pipeline.pop("started_wall")))
             latencies = pipeline.pop("latencies")
+            arrivals = pipeline.pop("created_offsets_s")
             print(f"round {index + 1} pipeline: {json.dumps(pipeline)}", flush=True)
-            rounds.append({"offline": offline, "pipeline": pipeline, "latencies": latencies})
+            at_arrivals = run_offline_at(engine, args, index, arrivals)
+            print(f"round {index + 1} offline at the served arrivals: "
+                  f"{json.dumps(at_arrivals)}", flush=True)
+            rounds.append({"offline": offline, "pipeline": pipeline, "latencies": latencies,
+                           "offline_at_arrivals": at_arrivals})
         closing = run_offline(engine, args, "closing")
         print(f"offline after the last round: {json.dumps(closing)}", flush=True)
         submissions = run_submissions(services, args)
@@ -546,6 +587,9 @@ def main(argv: list[str] | None = None) -> int:
         r["ratio"] = served["tokens_per_s"] / rate
         r["ratio_to_offline_before"] = served["tokens_per_s"] / r["offline"]["tokens_per_s"]
         r["steady_ratio"] = served["steady_tokens_per_s"] / steady_rate
+        at_arrivals = r["offline_at_arrivals"]["tokens_per_s"]
+        r["ramp_ratio"] = at_arrivals / rate
+        r["beyond_ramp_ratio"] = served["tokens_per_s"] / at_arrivals
     latencies = sorted(x for r in rounds for x in r.pop("latencies"))
     ratios = [r["ratio"] for r in rounds]
     steady = [r["steady_ratio"] for r in rounds]
@@ -554,10 +598,17 @@ def main(argv: list[str] | None = None) -> int:
                "submissions": submissions,
                "median_ratio": statistics.median(ratios),
                "median_steady_ratio": statistics.median(steady),
+               "median_ramp_ratio": statistics.median(r["ramp_ratio"] for r in rounds),
+               "median_beyond_ramp_ratio": statistics.median(r["beyond_ramp_ratio"]
+                                                             for r in rounds),
                "latency_ms": {f"p{q}": 1000 * _percentile(latencies, q / 100)
                               for q in (50, 90, 99)},
                "load_average_1m": load, "cpu_count": os.cpu_count()}
     per_round = " / ".join(f"{100 * r['ratio']:.0f}%" for r in rounds)
+    per_round_ramp = " / ".join(
+        f"{100 * r['ramp_ratio']:.0f}% ({r['offline_at_arrivals']['last_arrival_s']:.2f} s)"
+        for r in rounds)
+    per_round_beyond = " / ".join(f"{100 * r['beyond_ramp_ratio']:.0f}%" for r in rounds)
     per_round_steady = " / ".join(f"{100 * r['steady_ratio']:.0f}%" for r in rounds)
     before_only = [r["ratio_to_offline_before"] for r in rounds]
     per_round_before = " / ".join(f"{100 * x:.0f}%" for x in before_only)
@@ -578,6 +629,13 @@ def main(argv: list[str] | None = None) -> int:
          "(per round; median)", f"{per_round}; **{100 * figures['median_ratio']:.1f}%**"),
         ("end to end / the offline run before it alone (per round; median)",
          f"{per_round_before}; {100 * statistics.median(before_only):.1f}%"),
+        ("offline engine fed each request when its job was created in the round (the "
+         "last one's creation, s after the first POST) / offline (before and after): the "
+         "admission ramp's own cost (per round; median)",
+         f"{per_round_ramp}; {100 * figures['median_ramp_ratio']:.1f}%"),
+        ("end to end / that offline engine fed at the same times: what the serving costs "
+         "beyond the ramp (per round; median)",
+         f"{per_round_beyond}; {100 * figures['median_beyond_ramp_ratio']:.1f}%"),
         ("steady state (every job generating) / offline steady state (before and after)",
          f"{per_round_steady}; median {100 * figures['median_steady_ratio']:.1f}%"),
         (f"token delivery latency, publish -> SSE client ({len(latencies)} events)",
