@@ -16,7 +16,13 @@ step) alone and beside a synthetic load in another process:
 * `memory`: numpy summing a 256 MB array (memory bandwidth);
 * `a spinning core`: `while True: pass` (no memory traffic at all: what is left is what
   the two cores share below their caches, such as a hypervisor's SMT siblings or a
-  common clock).
+  common clock);
+* `vector math in L1`: numpy multiplying 48 x 48 fp32 matrices on one thread (the
+  vector units busy, the data in the first-level cache: a neighbour on the same physical
+  core, as SMT siblings are, takes those units from the engine; one on another core
+  does not);
+* `8 MB copied`: numpy copying 8 MB to 8 MB (a working set of the order of a small
+  model's weights, in the last-level cache the cores share).
 
 Each load is started, given time to settle, and killed after its round; the kinds
 alternate within every round, so drift in the machine's speed hits them alike. The
@@ -55,6 +61,12 @@ LOADS = {
     "memory": "import numpy as np\nx = np.ones(256_000_000, dtype=np.uint8)\n"
               "while True:\n    x.sum()\n",
     "a spinning core": "while True:\n    pass\n",
+    "vector math in L1": (
+        "import os\nos.environ['OPENBLAS_NUM_THREADS'] = os.environ['OMP_NUM_THREADS'] = '1'"
+        "\nimport numpy as np\na = np.ones((48, 48), np.float32)\nwhile True:\n"
+        "    for _ in range(1000):\n        a = np.dot(a, a) * 1e-3 + 1\n"),
+    "8 MB copied": "import numpy as np\nx = np.ones(8_000_000, dtype=np.uint8)\n"
+                   "y = np.empty_like(x)\nwhile True:\n    np.copyto(y, x)\n",
 }
 SETTLE_SECONDS = 0.7  # a load's start-up (imports, the array) before the engine runs
 
