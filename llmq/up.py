@@ -77,7 +77,8 @@ def _run_locked(args: argparse.Namespace, state_dir: Path) -> int:
         if not redis_url:
             port = args.redis_port or free_port()
             redis_url = stack.start_redis(port)
-            _say(f"started an embedded Redis on 127.0.0.1:{port} (data in {state_dir}/redis)")
+            _say(f"started an embedded Redis on 127.0.0.1:{port} (in memory "
+                 "only: it writes nothing to disk)")
         env = _child_env(state_dir, database_url, redis_url, model_name, model_dir)
         group_id = f"local-{socket.gethostname()}"
         worker = stack.spawn("worker", python_command(
