@@ -457,9 +457,10 @@ class SseReader:
         if not self.first_token_at or not self.ended_at:
             return float("nan")
         start, end = max(self.first_token_at.values()), min(self.ended_at.values())
-        if end <= start:
+        within = [n for t, n in self.arrivals if start < t <= end]
+        if end <= start or not within:  # the first job ended as the last one began
             return float("nan")
-        return sum(n for t, n in self.arrivals if start < t <= end) / (end - start)
+        return sum(within) / (end - start)
 
     def _event(self, state: dict[str, Any], raw: bytes, received_at: float) -> None:
         fields = dict(line.split(b": ", 1) for line in raw.split(b"\n")
@@ -592,12 +593,13 @@ def main(argv: list[str] | None = None) -> int:
         r["beyond_ramp_ratio"] = served["tokens_per_s"] / at_arrivals
     latencies = sorted(x for r in rounds for x in r.pop("latencies"))
     ratios = [r["ratio"] for r in rounds]
-    steady = [r["steady_ratio"] for r in rounds]
+    # a round where the first job ended before the last began has no steady state (nan)
+    steady = [r["steady_ratio"] for r in rounds if r["steady_ratio"] == r["steady_ratio"]]
     load = os.getloadavg()[0]
     figures = {"args": vars(args), "rounds": rounds, "offline_closing": closing,
                "submissions": submissions,
                "median_ratio": statistics.median(ratios),
-               "median_steady_ratio": statistics.median(steady),
+               "median_steady_ratio": statistics.median(steady) if steady else float("nan"),
                "median_ramp_ratio": statistics.median(r["ramp_ratio"] for r in rounds),
                "median_beyond_ramp_ratio": statistics.median(r["beyond_ramp_ratio"]
                                                              for r in rounds),
