@@ -466,7 +466,9 @@ def test_the_writer_finishes_a_batch_once_its_last_line_is_stored(group, session
 def test_a_message_claims_queued_jobs_of_the_model_ahead_up_to_the_room(
         group, session_factory, redis_client):
     """A claim takes the message's job and other queued interactive jobs of the group's
-    model, as many as fit (capacity 4: three more); their messages are then skipped."""
+    model, as many as fit (capacity 4: three more); their messages are then skipped,
+    without a statement while the job runs here and the group is full, with a claim that
+    takes nothing after."""
     model = f"ahead-{uuid.uuid4().hex[:6]}"
     claims = _claims(group.settings, session_factory, redis_client, group.writer,
                      group.group_id)
@@ -482,13 +484,24 @@ def test_a_message_claims_queued_jobs_of_the_model_ahead_up_to_the_room(
     assert read_job(session_factory, other).status == JobStatus.QUEUED.value
     claimed_ahead = [job_id for job_id in jobs[1:]
                      if read_job(session_factory, job_id).status == JobStatus.RUNNING.value]
-    assert admission.run(claimed_ahead[0]) is GenerateOutcome.SKIPPED
+    assert len(claimed_ahead) == 3
+    with statements_sent(session_factory.kw["bind"]) as statements:
+        assert admission.run(claimed_ahead[0]) is GenerateOutcome.SKIPPED
+        assert admission.run(claimed_ahead[1]) is GenerateOutcome.SKIPPED
+    assert statements == []  # the rows run here, no room for others: no claim to send
     group.engine.running.set()
     for job_id in jobs:  # the one left queued runs on its own message
         if read_job(session_factory, job_id).status == JobStatus.QUEUED.value:
             assert admission.run(job_id) is GenerateOutcome.ADMITTED
     assert all(wait_terminal(session_factory, job_id).status == JobStatus.SUCCEEDED.value
                and read_job(session_factory, job_id).attempts == 1 for job_id in jobs)
+    wait_for(lambda: not group.batcher.holds(claimed_ahead[2]), 10, "the job released")
+    # the last one's message comes after its job ended here: its claim runs, takes nothing
+    with statements_sent(session_factory.kw["bind"]) as statements:
+        assert admission.run(claimed_ahead[2]) is GenerateOutcome.SKIPPED
+    assert any(statement.lstrip().upper().startswith(("UPDATE", "WITH"))
+               for statement in statements), statements
+    assert read_job(session_factory, claimed_ahead[2]).attempts == 1
     with session_factory.begin() as session:  # not this group's model: leave no row behind
         session.execute(update(Job).where(Job.id == uuid.UUID(other)).values(
             status=JobStatus.CANCELLED.value))

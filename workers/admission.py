@@ -11,7 +11,12 @@ claims other queued interactive jobs of the model, as many as the group has room
 to `MAX_CLAIM_AHEAD`, highest priority and oldest first, SKIP LOCKED), and hands them
 over too; their own messages then find them claimed and are skipped. So a burst of
 submissions reaches the engine at the pace of the claims, not of the broker's deliveries
-to the task threads.
+to the task threads. A message whose job this worker claimed ahead and still runs, when
+the group has no room for more, is skipped without a statement: its claim would find the
+row running and have room for nothing else. In a burst that fills the group, most
+messages come after their jobs were claimed ahead (about 43 of 64 in a full-stack benchmark
+round), and their claims cost the database and the cores it shares with the web. With
+room, such a message's claim still runs: it takes the jobs queued since the last claim.
 
 Batch lines have no message: `run_next_batch_jobs` claims queued ones straight from the
 table for the group's batch feeder (workers/batch_feeder.py), oldest batch first and in line
@@ -58,9 +63,17 @@ class JobTaker(Protocol):
         """One-sample interactive jobs that would be admitted now without waiting."""
         ...
 
+    def holds(self, job_id: str) -> bool:
+        """Whether an attempt of `job_id` was admitted and has not finished."""
+        ...
+
 
 # queued interactive jobs a message's claim takes beside its own, at most
 MAX_CLAIM_AHEAD = 16
+# jobs claimed ahead whose messages have not come yet, kept at most; beyond it those the
+# batcher no longer holds are forgotten (their messages went to another group, or the
+# job ended before its message came: such a message then runs its claim, which skips)
+MAX_AWAITED_MESSAGES = 1024
 
 
 class ClaimWriter(Protocol):
@@ -110,6 +123,8 @@ class JobAdmission:
         self._closed = False
         self._num_in_flight = 0
         self._cv = threading.Condition()
+        # ids of jobs this worker claimed ahead whose own messages have not come yet
+        self._claimed_ahead: set[str] = set()
 
     def close(self) -> None:
         """From now on, `run` gives every job back to the queue (drain)."""
@@ -145,9 +160,19 @@ class JobAdmission:
             logger.error("generate called with a malformed job id %r; ignored", job_id)
             return GenerateOutcome.SKIPPED
         job_id = str(job_uuid)
+        awaited = self._awaited(job_id)
         ahead = 0
         if self.model is not None:
             ahead = max(0, min(MAX_CLAIM_AHEAD, self.batcher.interactive_room() - 1))
+        if awaited and not ahead and self.batcher.holds(job_id):
+            # NOTE: its row is running under this worker's claim and there is no room to
+            # claim others ahead: the claim would take nothing. (With room it runs: it
+            # takes the jobs queued since.) Were the row queued again meanwhile (a lease
+            # lost while it ran here), beat's reclaim sends it another message, or its
+            # resend pass does.
+            logger.info("job %s was claimed ahead here and runs; its message is skipped",
+                        job_id)
+            return GenerateOutcome.SKIPPED
         try:
             if ahead and self.model is not None:
                 rows = self.claims.with_ahead(job_uuid, self.model, ahead)
@@ -157,11 +182,32 @@ class JobAdmission:
             # NOTE: nothing changed yet; the job is still queued and needs this message.
             logger.warning("job %s: claim failed (%s); retrying", job_id, exc)
             raise AdmissionRetry(str(exc)) from exc
+        if ahead:
+            self._await_messages([str(row.id) for row in rows if str(row.id) != job_id])
         outcomes = self._take_all(rows)
         if job_id not in outcomes:
             logger.info("job %s is not queued any more; skipped", job_id)
             return GenerateOutcome.SKIPPED
         return outcomes[job_id]
+
+    def _await_messages(self, job_ids: list[str]) -> None:
+        """`job_ids` were claimed ahead: their messages are still to come."""
+        if not job_ids:
+            return
+        with self._cv:
+            self._claimed_ahead.update(job_ids)
+            if len(self._claimed_ahead) > MAX_AWAITED_MESSAGES:
+                self._claimed_ahead = {j for j in self._claimed_ahead
+                                       if self.batcher.holds(j)}
+
+    def _awaited(self, job_id: str) -> bool:
+        """Whether `job_id` was claimed ahead here and this is its first message since
+        (forgotten from now on)."""
+        with self._cv:
+            if job_id not in self._claimed_ahead:
+                return False
+            self._claimed_ahead.discard(job_id)
+            return True
 
     def run_next_batch_jobs(self, model: str, limit: int) -> list[GenerateOutcome]:
         """Claim up to `limit` queued batch lines of `model` in one statement and hand them

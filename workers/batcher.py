@@ -189,6 +189,10 @@ class Batcher:
         """One-sample interactive jobs that would be admitted now without waiting."""
         return self._inbox.interactive_room()
 
+    def holds(self, job_id: str) -> bool:
+        """Whether an attempt of `job_id` was admitted here and has not finished."""
+        return self._inbox.holds(job_id)
+
     def wait_batch_room(self, timeout: float) -> int:
         """How many batch lines would be admitted now, waiting up to `timeout` seconds for
         one."""

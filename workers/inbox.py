@@ -75,6 +75,7 @@ class JobInbox:
         self._num_jobs = 0  # admitted, not finished (in the engine or about to be added)
         self._num_waiting_interactive = 0  # samples of interactive jobs blocked in admit
         self._lost: set[tuple[str, int]] = set()
+        self._held: dict[str, int] = {}  # job id -> its attempts admitted and not finished
         # an interactive job was admitted since the last take (read without the lock, by
         # the engine between layers: `interactive_waiting`)
         self._interactive_admitted = False
@@ -118,6 +119,7 @@ class JobInbox:
             if not batch:
                 self._num_interactive_samples += need
             self._num_jobs += 1
+            self._held[job.job_id] = self._held.get(job.job_id, 0) + 1
             self._jobs.append(job)
             if not batch:
                 self._interactive_admitted = True
@@ -148,6 +150,11 @@ class JobInbox:
             if not self._admitting:
                 return 0
             return max(0, self.capacity - self._num_interactive_samples)
+
+    def holds(self, job_id: str) -> bool:
+        """Whether an attempt of `job_id` was admitted here and has not finished."""
+        with self._cv:
+            return job_id in self._held
 
     def cancel(self, job_id: str) -> None:
         """Record a cancel request; it also releases `job_id` if it waits in `admit`."""
@@ -224,6 +231,12 @@ class JobInbox:
             self._num_interactive_samples -= sum(job.num_samples for job in jobs
                                                  if not is_batch_priority(job.priority))
             self._num_jobs -= len(jobs)
+            for job in jobs:
+                left = self._held.get(job.job_id, 0) - 1
+                if left > 0:
+                    self._held[job.job_id] = left
+                else:
+                    self._held.pop(job.job_id, None)
             self._cv.notify_all()
 
     def release_all(self) -> None:
@@ -232,6 +245,7 @@ class JobInbox:
             self._num_active_samples = 0
             self._num_interactive_samples = 0
             self._num_jobs = 0
+            self._held.clear()
             self._cv.notify_all()
 
     def _must_wait(self, need: int, batch: bool) -> bool:
