@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -72,10 +73,10 @@ class JobInbox:
         self._cancels = CancelRequests()
         self._num_active_samples = 0  # admitted, not finished, both bands
         self._num_interactive_samples = 0  # the interactive ones among them
-        self._num_jobs = 0  # admitted, not finished (in the engine or about to be added)
         self._num_waiting_interactive = 0  # samples of interactive jobs blocked in admit
         self._lost: set[tuple[str, int]] = set()
-        self._held: dict[str, int] = {}  # job id -> its attempts admitted and not finished
+        # admitted, not finished (in the engine or about to be added): job id -> attempts
+        self._held: Counter[str] = Counter()
         # an interactive job was admitted since the last take (read without the lock, by
         # the engine between layers: `interactive_waiting`)
         self._interactive_admitted = False
@@ -118,8 +119,7 @@ class JobInbox:
             self._num_active_samples += need
             if not batch:
                 self._num_interactive_samples += need
-            self._num_jobs += 1
-            self._held[job.job_id] = self._held.get(job.job_id, 0) + 1
+            self._held[job.job_id] += 1
             self._jobs.append(job)
             if not batch:
                 self._interactive_admitted = True
@@ -180,9 +180,9 @@ class JobInbox:
         """Wait until no admitted job is unfinished, or until `deadline` (time.monotonic()).
         Returns whether it is empty."""
         with self._cv:
-            while self._num_jobs > 0 and time.monotonic() < deadline:
+            while self._held and time.monotonic() < deadline:
                 self._cv.wait(min(0.1, max(0.0, deadline - time.monotonic())))
-            return self._num_jobs == 0
+            return not self._held
 
     def stop(self) -> None:
         """Tell the loop to abort what it holds and end (its next `take` says so)."""
@@ -193,7 +193,7 @@ class JobInbox:
     def figures(self) -> tuple[int, int]:
         """(jobs, samples) admitted and not finished, read together."""
         with self._cv:
-            return self._num_jobs, self._num_active_samples
+            return sum(self._held.values()), self._num_active_samples
 
     # -- the batcher thread ------------------------------------------------------------------
 
@@ -230,13 +230,10 @@ class JobInbox:
             self._num_active_samples -= sum(job.num_samples for job in jobs)
             self._num_interactive_samples -= sum(job.num_samples for job in jobs
                                                  if not is_batch_priority(job.priority))
-            self._num_jobs -= len(jobs)
             for job in jobs:
-                left = self._held.get(job.job_id, 0) - 1
-                if left > 0:
-                    self._held[job.job_id] = left
-                else:
-                    self._held.pop(job.job_id, None)
+                self._held[job.job_id] -= 1
+                if self._held[job.job_id] <= 0:
+                    del self._held[job.job_id]
             self._cv.notify_all()
 
     def release_all(self) -> None:
@@ -244,7 +241,6 @@ class JobInbox:
         with self._cv:
             self._num_active_samples = 0
             self._num_interactive_samples = 0
-            self._num_jobs = 0
             self._held.clear()
             self._cv.notify_all()
 
