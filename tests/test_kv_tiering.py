@@ -118,7 +118,10 @@ def test_tiers_change_no_output_and_serve_evicted_prefixes(
         # round 2 starts from an empty device cache: every prefix comes from the tier
         assert all(o.num_cached_tokens >= PREFIX_BLOCKS * BLOCK_SIZE for o in outs)
         assert tier.num_hit_blocks >= 3 * PREFIX_BLOCKS and tier.num_stored_blocks > 0
-        assert mine.num_loaded_blocks == tier.num_hit_blocks
+        # every hit reached the engine; a hit goes unloaded when the device got the prefix
+        # while the lookup ran (test_a_prefix_found_twice_at_once_is_loaded_once_and_counted)
+        assert mine.num_found_blocks == tier.num_hit_blocks
+        assert 3 * PREFIX_BLOCKS <= mine.num_loaded_blocks <= mine.num_found_blocks
         assert tier.num_lookup_errors == 0 and tier.num_bad_blobs == 0
         # blocks loaded from the tier are not read back from the device to be stored again
         assert mine.num_known_blocks >= 3 * PREFIX_BLOCKS
@@ -418,4 +421,98 @@ def test_a_slow_redis_lookup_never_blocks_the_step(redis_tier) -> None:
         assert chunk.start_pos == 16 and seq.num_cached_tokens == 16
     finally:
         tier.gate.set()
+        connector.close()
+
+
+class OneByOneTier(GatedTier):
+    """A real tier store that answers one lookup per `allow()` (lookups run in order)."""
+
+    def __init__(self, inner) -> None:
+        import threading
+
+        super().__init__(inner)
+        self.permits = threading.Semaphore(0)
+
+    def allow(self) -> None:
+        self.permits.release()
+
+    def get_many(self, keys):
+        self.num_waiting += 1
+        assert self.permits.acquire(timeout=30), "the test never allowed this lookup"
+        return self.inner.get_many(keys)
+
+
+def test_a_prefix_found_twice_at_once_is_loaded_once_and_counted(tmp_path: Path) -> None:
+    """Two sequences of one prefix ask the tier before either is admitted: both find it.
+
+    The first loads it; the second, answered a step later, takes it from the device. The
+    tier counts both hits, the connector both finds but one load.
+    """
+    import time
+
+    from kvcache.block_format import BlockMeta
+    from kvcache.kv_cache_manager import KVCacheManager
+    from kvcache.offload import KVOffloadManager
+    from kvcache.tiers import make_tier
+    from workers.engine.scheduler import Scheduler
+    from workers.engine.sequence import Sequence, SequenceStatus
+    from workers.engine.tier_connector import TierConnector
+
+    bs = 4
+    meta = BlockMeta("d" * 16, "uint8", bs, (64,))
+    tier = OneByOneTier(make_tier(f"file://{tmp_path}/kv?max_bytes=1000000", "t"))
+    connector = TierConnector(KVOffloadManager([tier], meta), FakeBlocks(), bs)
+    params = SamplingParams(max_tokens=2)
+    prompt = list(range(1, 18))  # 4 full blocks + 1 token
+
+    def scheduler() -> Scheduler:
+        return Scheduler(KVCacheManager(16, bs), max_num_seqs=4, max_num_batched_tokens=64,
+                         max_model_len=64, kv_connector=connector)
+
+    def until_running(sched: Scheduler, seq: Sequence) -> list[int]:
+        """Steps until `seq` runs (each step's KV written); the block ids loaded."""
+        loaded: list[int] = []
+        deadline = time.monotonic() + 10
+        while seq.status != SequenceStatus.RUNNING and time.monotonic() < deadline:
+            out = sched.schedule()  # idle: waits a little for the lookup
+            loaded += [block_id for block_id, _ in out.blocks_to_load]
+            sched.kv_manager.commit()
+        assert seq.status == SequenceStatus.RUNNING
+        return loaded
+
+    try:
+        first = scheduler()
+        seq = Sequence(0, "a", 0, prompt, params)
+        first.add_seqs([seq])
+        tier.allow()
+        until_running(first, seq)
+        first.finish_seqs([seq], SequenceStatus.FINISHED_LENGTH)
+        assert connector.flush(10)
+        before, _ = connector.stats()
+
+        second = scheduler()
+        seqs = [Sequence(1, "b", 0, prompt + [30], params),
+                Sequence(2, "c", 0, prompt + [31], params)]
+        for s in seqs:
+            second.add_seqs([s])
+        second.schedule()  # both lookups start from an empty device
+        assert all(s.status == SequenceStatus.WAITING_FOR_REMOTE_KVS for s in seqs)
+        tier.allow()
+        loaded = until_running(second, seqs[0])
+        assert loaded == seqs[0].block_table[:4]
+        assert seqs[1].status == SequenceStatus.WAITING_FOR_REMOTE_KVS
+        tier.allow()
+        assert until_running(second, seqs[1]) == []
+        # the second found the prefix in the tier, and took it from the device
+        assert seqs[1].block_table[:4] == loaded
+        assert all(s.num_cached_tokens == 16 for s in seqs)
+
+        mine, tiers = connector.stats()
+        (stats,) = tiers.tiers
+        assert mine.num_found_blocks - before.num_found_blocks == 8
+        assert mine.num_loaded_blocks - before.num_loaded_blocks == 4
+        assert mine.num_found_blocks == stats.num_hit_blocks
+    finally:
+        for _ in range(3):
+            tier.allow()
         connector.close()

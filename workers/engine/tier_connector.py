@@ -88,6 +88,9 @@ class TierConnectorStats:
     """The engine side's counters since start (the tiers' own are in `offload`)."""
 
     num_lookups: int = 0  # sequence admissions that asked the tiers
+    # blocks the lookups found; a found block goes unloaded when the device got it meanwhile
+    # (a sequence with the same prefix was admitted while the lookup ran)
+    num_found_blocks: int = 0
     num_loaded_blocks: int = 0  # blocks handed to the scheduler to load
     num_bad_payloads: int = 0  # payloads of the wrong length (a miss from there on)
     num_lookup_failures: int = 0  # lookups that raised (a miss)
@@ -241,6 +244,7 @@ class TierConnector:
                 break
         with self._lock:
             self._stats.num_lookups += 1
+            self._stats.num_found_blocks += len(payloads)
         return _Found(start, hashes[:len(payloads)], payloads)
 
     # --- end of a sequence (KVConnector) ------------------------------------------------
