@@ -123,11 +123,15 @@ def run_mode(mode: str, model_dir: str, tiers: list[str], requests: list[list[in
                 result.num_output_tokens += len(tokens)
     result.seconds = time.perf_counter() - began
     if connector is not None:
-        _, stats = connector.stats()  # type: ignore[attr-defined]  (a TierConnector)
+        mine, stats = connector.stats()  # type: ignore[attr-defined]  (a TierConnector)
         result.tier_line = "; ".join(
             f"{t.name.split('?')[0]}: {t.num_hit_blocks} hit blocks, "
             f"{t.num_loaded_bytes / 2**20:.0f} MiB loaded in {t.load_seconds:.2f}s, "
             f"{t.num_stored_blocks} blocks stored" for t in stats.tiers)
+        # found but not loaded: the device got the prefix while the lookup ran
+        result.tier_line += (f"; the engine loaded {mine.num_loaded_blocks} of the "
+                             f"{mine.num_found_blocks} blocks its lookups found; "
+                             f"{mine.num_followed} admissions waited for another's lookup")
     engine.close(60)
     return result, [outputs[str(i)] for i in range(len(requests))]
 

@@ -119,7 +119,7 @@ def test_tiers_change_no_output_and_serve_evicted_prefixes(
         assert all(o.num_cached_tokens >= PREFIX_BLOCKS * BLOCK_SIZE for o in outs)
         assert tier.num_hit_blocks >= 3 * PREFIX_BLOCKS and tier.num_stored_blocks > 0
         # every hit reached the engine; a hit goes unloaded when the device got the prefix
-        # while the lookup ran (test_a_prefix_found_twice_at_once_is_loaded_once_and_counted)
+        # while the lookup ran
         assert mine.num_found_blocks == tier.num_hit_blocks
         assert 3 * PREFIX_BLOCKS <= mine.num_loaded_blocks <= mine.num_found_blocks
         assert tier.num_lookup_errors == 0 and tier.num_bad_blobs == 0
@@ -442,12 +442,9 @@ class OneByOneTier(GatedTier):
         return self.inner.get_many(keys)
 
 
-def test_a_prefix_found_twice_at_once_is_loaded_once_and_counted(tmp_path: Path) -> None:
-    """Two sequences of one prefix ask the tier before either is admitted: both find it.
-
-    The first loads it; the second, answered a step later, takes it from the device. The
-    tier counts both hits, the connector both finds but one load.
-    """
+def _tier_scheduler_setup(tmp_path: Path):
+    """A file tier answering one lookup per `allow()`, its connector, a scheduler factory
+    and a prompt whose 4 full blocks are stored in the tier."""
     import time
 
     from kvcache.block_format import BlockMeta
@@ -462,7 +459,6 @@ def test_a_prefix_found_twice_at_once_is_loaded_once_and_counted(tmp_path: Path)
     meta = BlockMeta("d" * 16, "uint8", bs, (64,))
     tier = OneByOneTier(make_tier(f"file://{tmp_path}/kv?max_bytes=1000000", "t"))
     connector = TierConnector(KVOffloadManager([tier], meta), FakeBlocks(), bs)
-    params = SamplingParams(max_tokens=2)
     prompt = list(range(1, 18))  # 4 full blocks + 1 token
 
     def scheduler() -> Scheduler:
@@ -480,38 +476,74 @@ def test_a_prefix_found_twice_at_once_is_loaded_once_and_counted(tmp_path: Path)
         assert seq.status == SequenceStatus.RUNNING
         return loaded
 
-    try:
-        first = scheduler()
-        seq = Sequence(0, "a", 0, prompt, params)
-        first.add_seqs([seq])
-        tier.allow()
-        until_running(first, seq)
-        first.finish_seqs([seq], SequenceStatus.FINISHED_LENGTH)
-        assert connector.flush(10)
-        before, _ = connector.stats()
+    first = scheduler()
+    seq = Sequence(0, "a", 0, prompt, SamplingParams(max_tokens=2))
+    first.add_seqs([seq])
+    tier.allow()
+    until_running(first, seq)
+    first.finish_seqs([seq], SequenceStatus.FINISHED_LENGTH)
+    assert connector.flush(10) and tier.num_waiting == 1
+    return tier, connector, scheduler, until_running, prompt
 
+
+def test_a_prefix_wanted_by_two_at_once_is_read_and_loaded_once(tmp_path: Path) -> None:
+    """Two cold sequences of one prefix: the second waits for the first's lookup and
+    admission, then takes the prefix from the device. One tier read, one load."""
+    from workers.engine.sequence import Sequence, SequenceStatus
+
+    tier, connector, scheduler, until_running, prompt = _tier_scheduler_setup(tmp_path)
+    params = SamplingParams(max_tokens=2)
+    try:
+        before, before_tiers = connector.stats()
         second = scheduler()
         seqs = [Sequence(1, "b", 0, prompt + [30], params),
                 Sequence(2, "c", 0, prompt + [31], params)]
-        for s in seqs:
-            second.add_seqs([s])
-        second.schedule()  # both lookups start from an empty device
+        for seq in seqs:
+            second.add_seqs([seq])
+        second.schedule()  # one lookup starts; the other sequence waits on it
         assert all(s.status == SequenceStatus.WAITING_FOR_REMOTE_KVS for s in seqs)
         tier.allow()
         loaded = until_running(second, seqs[0])
         assert loaded == seqs[0].block_table[:4]
-        assert seqs[1].status == SequenceStatus.WAITING_FOR_REMOTE_KVS
-        tier.allow()
         assert until_running(second, seqs[1]) == []
-        # the second found the prefix in the tier, and took it from the device
-        assert seqs[1].block_table[:4] == loaded
+        assert seqs[1].block_table[:4] == loaded  # the device's copy, shared
         assert all(s.num_cached_tokens == 16 for s in seqs)
+        assert tier.num_waiting == 2  # the first engine's miss and one read here
 
         mine, tiers = connector.stats()
-        (stats,) = tiers.tiers
-        assert mine.num_found_blocks - before.num_found_blocks == 8
+        assert mine.num_followed - before.num_followed == 1
+        assert mine.num_found_blocks - before.num_found_blocks == 4
         assert mine.num_loaded_blocks - before.num_loaded_blocks == 4
-        assert mine.num_found_blocks == stats.num_hit_blocks
+        assert tiers.tiers[0].num_hit_blocks - before_tiers.tiers[0].num_hit_blocks == 4
+    finally:
+        for _ in range(3):
+            tier.allow()
+        connector.close()
+
+
+def test_a_follower_looks_up_itself_when_its_leader_ends_and_an_ended_one_is_forgotten(
+        tmp_path: Path) -> None:
+    from workers.engine.sequence import Sequence, SequenceStatus
+
+    tier, connector, scheduler, until_running, prompt = _tier_scheduler_setup(tmp_path)
+    params = SamplingParams(max_tokens=2)
+    try:
+        second = scheduler()
+        leader, gone, follower = (Sequence(i, str(i), 0, prompt + [30 + i], params)
+                                  for i in (1, 2, 3))
+        for seq in (leader, gone, follower):
+            second.add_seqs([seq])
+        second.schedule()
+        assert connector.stats()[0].num_followed == 2
+        # a follower ends while it waits, then the leader ends before its lookup answers
+        second.finish_seqs([gone], SequenceStatus.FINISHED_ABORTED)
+        second.finish_seqs([leader], SequenceStatus.FINISHED_ABORTED)
+        tier.allow()  # the leader's lookup, cancelled or answered to nobody
+        tier.allow()  # the follower's own
+        loaded = until_running(second, follower)
+        assert loaded == follower.block_table[:4] and follower.num_cached_tokens == 16
+        second.schedule()  # the step after an admission: nothing waits on anything
+        assert connector._following == {} and connector._followers == {}
     finally:
         for _ in range(3):
             tier.allow()

@@ -11,6 +11,12 @@ the tiers) and `kvcache.kv_cache_manager` (which device block holds what).
   result, which it keeps until the sequence is admitted (a sequence that waits for room
   does not ask the tiers again every step; a preempted one asks again when re-admitted).
   Nothing is looked up while the device has no free block to load into.
+* One read per prefix: a sequence with no device hit whose first `LEAD_BLOCKS` blocks
+  are those of another waiting sequence's lookup does not read the tiers too. It waits
+  until that sequence is admitted and its step has run, then asks again: the device
+  holds the shared prefix by then, and only what lies beyond it is looked up. (A
+  sequence with a device hit holds it while it waits and would ask again from there, so
+  it looks up for itself.)
 * Load: after allocation, the found payloads go with their fresh device blocks into
   `SchedulerOutput.blocks_to_load`; the runner writes them before the forward pass.
 * Offload: when a sequence ends, right before its blocks are freed, its full blocks no
@@ -76,9 +82,16 @@ class _Found:
     payloads: list[bytes]  # consecutive blocks found in the tiers
 
 
+# The tokens of a lookup's first blocks (from the sequence's start): another sequence's
+# lookup with the same ones reads at least those blocks, so this one waits for it
+_LeadKey = tuple[int, ...]
+LEAD_BLOCKS = 4
+
+
 @dataclass(slots=True)
 class _Lookup:
     future: Future[_Found]  # done once the lookup thread answered (never an exception)
+    key: _LeadKey | None  # followers wait on it until this sequence is admitted
     # the device hit, in blocks, when the scheduler last asked: the first loaded block
     first_block: int = 0
 
@@ -88,8 +101,10 @@ class TierConnectorStats:
     """The engine side's counters since start (the tiers' own are in `offload`)."""
 
     num_lookups: int = 0  # sequence admissions that asked the tiers
+    # admissions that waited for another sequence's lookup of the same blocks instead
+    num_followed: int = 0
     # blocks the lookups found; a found block goes unloaded when the device got it meanwhile
-    # (a sequence with the same prefix was admitted while the lookup ran)
+    # (another sequence loaded or computed it while the lookup ran)
     num_found_blocks: int = 0
     num_loaded_blocks: int = 0  # blocks handed to the scheduler to load
     num_bad_payloads: int = 0  # payloads of the wrong length (a miss from there on)
@@ -119,6 +134,11 @@ class TierConnector:
         self.block_size = block_size
         self.reuse_filter = reuse_filter
         self._lookups: dict[int, _Lookup] = {}  # seq_id -> lookup, until admitted or ended
+        # key -> seq ids waiting for the sequence whose lookup has that key to be admitted
+        self._followers: dict[_LeadKey, list[int]] = {}
+        self._following: dict[int, _LeadKey] = {}  # follower seq id -> the key it waits on
+        # keys whose sequence was admitted this step: later askers wait for the next step
+        self._settling: set[_LeadKey] = set()
         # seq ids whose lookup finished, appended by the lookup thread (deque: thread-safe)
         self._finished: deque[int] = deque()
         self._finished_event = threading.Event()
@@ -160,14 +180,22 @@ class TierConnector:
         # the tiers continue the device hit, into fresh blocks the free ones can hold
         # (one stays free for the computed tail); the last prompt token is always computed
         max_blocks = min((seq.num_tokens - 1) // bs, num_device + num_free_blocks - 1)
-        lookup = self._lookups.get(seq.seq_id)
+        seq_id = seq.seq_id
+        if seq_id in self._following:
+            return None, False
+        lookup = self._lookups.get(seq_id)
         if lookup is None:
             if max_blocks <= num_device:
                 return 0, False  # nothing to look up now (no room): ask when there is
-            seq_id = seq.seq_id
+            key = None if num_device else tuple(seq.token_ids[:min(max_blocks, LEAD_BLOCKS) * bs])
+            if key is not None:
+                if key in self._followers:
+                    self._follow(seq_id, key)
+                    return None, False
+                self._followers[key] = []
             future = self._executor.submit(self._lookup, seq.token_ids[:max_blocks * bs],
                                            num_device, max_blocks)
-            self._lookups[seq_id] = _Lookup(future)
+            self._lookups[seq_id] = _Lookup(future, key)
             future.add_done_callback(lambda _: self._lookup_done(seq_id))
             return None, False
         if not lookup.future.done():
@@ -183,6 +211,10 @@ class TierConnector:
     def update_state_after_alloc(self, seq: Sequence, blocks: list[int],
                                  num_external_tokens: int) -> None:
         lookup = self._lookups.pop(seq.seq_id, None)
+        if lookup is not None and lookup.key is not None:
+            # its followers ask again once this step has run: the device has the blocks
+            self._release_followers(lookup.key)
+            self._settling.add(lookup.key)
         num_loaded = num_external_tokens // self.block_size
         if lookup is None or not num_loaded:
             return
@@ -203,6 +235,12 @@ class TierConnector:
             self._to_load = []
 
     def take_finished_lookups(self) -> list[int]:
+        # NOTE: called at the start of a step: the last step has written the blocks of
+        # the sequences admitted in it, so their keys lead nobody any more
+        for key in self._settling:
+            self._release_followers(key)
+            del self._followers[key]
+        self._settling.clear()
         if not self._finished:
             return []
         self._finished_event.clear()
@@ -219,6 +257,25 @@ class TierConnector:
     def _lookup_done(self, seq_id: int) -> None:
         self._finished.append(seq_id)
         self._finished_event.set()
+
+    def _follow(self, seq_id: int, key: _LeadKey) -> None:
+        """`seq_id` waits for the lookup of `key`'s sequence (or the step admitting it)."""
+        self._followers[key].append(seq_id)
+        self._following[seq_id] = key
+        with self._lock:
+            self._stats.num_followed += 1
+        if key in self._settling:  # admitted this step: ask again at the next one
+            self._release_followers(key)
+
+    def _release_followers(self, key: _LeadKey) -> None:
+        """The sequences waiting on `key` are named finished: they ask again."""
+        followers = self._followers.get(key)
+        if not followers:
+            return
+        for seq_id in followers:
+            del self._following[seq_id]
+            self._lookup_done(seq_id)
+        followers.clear()
 
     def _lookup(self, token_ids: list[int], start: int, max_blocks: int) -> _Found:
         """On the lookup thread: the payloads of blocks start.. found in the tiers."""
@@ -253,6 +310,12 @@ class TierConnector:
         lookup = self._lookups.pop(seq.seq_id, None)
         if lookup is not None:
             lookup.future.cancel()  # not started yet: never runs
+            if lookup.key is not None:  # its followers look up for themselves
+                self._release_followers(lookup.key)
+                del self._followers[lookup.key]
+        key = self._following.pop(seq.seq_id, None)
+        if key is not None:
+            self._followers[key].remove(seq.seq_id)
         if not blocks:
             return
         wanted: list[tuple[int, BlockHash]] = []
