@@ -486,35 +486,47 @@ def _tier_scheduler_setup(tmp_path: Path):
     return tier, connector, scheduler, until_running, prompt
 
 
-def test_a_prefix_wanted_by_two_at_once_is_read_and_loaded_once(tmp_path: Path) -> None:
-    """Two cold sequences of one prefix: the second waits for the first's lookup and
-    admission, then takes the prefix from the device. One tier read, one load."""
+@pytest.mark.parametrize("device_blocks", [0, 1])
+def test_a_prefix_wanted_by_two_at_once_is_read_and_loaded_once(
+        tmp_path: Path, device_blocks: int) -> None:
+    """Two sequences of one prefix: the second waits for the first's lookup and admission,
+    then takes the prefix from the device. One tier read, one load. With a device hit
+    both hold it while they wait; the second's hold gives way to the longer hit."""
     from workers.engine.sequence import Sequence, SequenceStatus
 
     tier, connector, scheduler, until_running, prompt = _tier_scheduler_setup(tmp_path)
     params = SamplingParams(max_tokens=2)
     try:
-        before, before_tiers = connector.stats()
         second = scheduler()
+        if device_blocks:  # the device computes block 0 (loaded from the tier, here)
+            head = Sequence(9, "h", 0, prompt[:4] + [99], params)
+            second.add_seqs([head])
+            tier.allow()
+            until_running(second, head)
+            second.finish_seqs([head], SequenceStatus.FINISHED_LENGTH)
+        before, before_tiers = connector.stats()
+        reads = tier.num_waiting
         seqs = [Sequence(1, "b", 0, prompt + [30], params),
                 Sequence(2, "c", 0, prompt + [31], params)]
         for seq in seqs:
             second.add_seqs([seq])
         second.schedule()  # one lookup starts; the other sequence waits on it
         assert all(s.status == SequenceStatus.WAITING_FOR_REMOTE_KVS for s in seqs)
+        assert all(len(s.block_table) == device_blocks for s in seqs)  # held hits
         tier.allow()
         loaded = until_running(second, seqs[0])
-        assert loaded == seqs[0].block_table[:4]
+        assert loaded == seqs[0].block_table[device_blocks:4]
         assert until_running(second, seqs[1]) == []
-        assert seqs[1].block_table[:4] == loaded  # the device's copy, shared
+        assert seqs[1].block_table[:4] == seqs[0].block_table[:4]  # the device's, shared
         assert all(s.num_cached_tokens == 16 for s in seqs)
-        assert tier.num_waiting == 2  # the first engine's miss and one read here
+        assert tier.num_waiting - reads == 1
 
         mine, tiers = connector.stats()
         assert mine.num_followed - before.num_followed == 1
-        assert mine.num_found_blocks - before.num_found_blocks == 4
-        assert mine.num_loaded_blocks - before.num_loaded_blocks == 4
-        assert tiers.tiers[0].num_hit_blocks - before_tiers.tiers[0].num_hit_blocks == 4
+        assert mine.num_found_blocks - before.num_found_blocks == 4 - device_blocks
+        assert mine.num_loaded_blocks - before.num_loaded_blocks == 4 - device_blocks
+        hits = tiers.tiers[0].num_hit_blocks - before_tiers.tiers[0].num_hit_blocks
+        assert hits == 4 - device_blocks
     finally:
         for _ in range(3):
             tier.allow()

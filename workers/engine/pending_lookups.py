@@ -48,6 +48,12 @@ class PendingLookups:
     def admitted(self, seq_id: int) -> None:
         self._held_hits.pop(seq_id, None)
 
+    def drop(self, seq: Sequence) -> None:
+        """`seq`'s held hit is freed (a longer one is about to be taken instead)."""
+        del self._held_hits[seq.seq_id]
+        self.kv_manager.free(seq.seq_id)
+        seq.block_table = []
+
     def resume_finished(self, connector: KVConnector, seqs: dict[int, Sequence]) -> None:
         """Sequences whose lookup finished wait as before and are scheduled normally."""
         for seq_id in connector.take_finished_lookups():

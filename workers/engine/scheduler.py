@@ -279,12 +279,17 @@ class Scheduler:
             computed_blocks: list[int] = []
             num_cached = 0
             held = self.lookups.held(seq.seq_id)
-            if held is not None:
-                num_cached = held  # its device hit is allocated already
-            elif self.enable_prefix_caching:
+            if self.enable_prefix_caching:
                 computed_blocks, num_cached = self.kv_manager.get_computed_blocks(seq.token_ids)
                 computed_blocks = _until_written(computed_blocks, writing)
                 num_cached = min(num_cached, len(computed_blocks) * self.block_size)
+                if held is not None and num_cached > held:
+                    # the device got more of its prompt while it waited (another sequence
+                    # loaded it): its hold goes, the longer hit is taken below
+                    self.lookups.drop(seq)
+                    held = None
+            if held is not None:
+                computed_blocks, num_cached = [], held  # its device hit is allocated already
             num_external = 0
             if connector is not None:
                 matched, load_async = connector.get_num_new_matched_tokens(

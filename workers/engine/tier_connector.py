@@ -11,12 +11,11 @@ the tiers) and `kvcache.kv_cache_manager` (which device block holds what).
   result, which it keeps until the sequence is admitted (a sequence that waits for room
   does not ask the tiers again every step; a preempted one asks again when re-admitted).
   Nothing is looked up while the device has no free block to load into.
-* One read per prefix: a sequence with no device hit whose first `LEAD_BLOCKS` blocks
-  are those of another waiting sequence's lookup does not read the tiers too. It waits
-  until that sequence is admitted and its step has run, then asks again: the device
-  holds the shared prefix by then, and only what lies beyond it is looked up. (A
-  sequence with a device hit holds it while it waits and would ask again from there, so
-  it looks up for itself.)
+* One read per prefix: a sequence whose lookup would start where another waiting
+  sequence's did, after the same tokens, and read the same first `LEAD_BLOCKS` blocks,
+  does not read the tiers too. It waits until that sequence is admitted and its step has
+  run, then asks again: the device holds the shared prefix by then (the scheduler takes
+  the longer device hit), and only what lies beyond it is looked up.
 * Load: after allocation, the found payloads go with their fresh device blocks into
   `SchedulerOutput.blocks_to_load`; the runner writes them before the forward pass.
 * Offload: when a sequence ends, right before its blocks are freed, its full blocks no
@@ -82,8 +81,9 @@ class _Found:
     payloads: list[bytes]  # consecutive blocks found in the tiers
 
 
-# The tokens of a lookup's first blocks (from the sequence's start): another sequence's
-# lookup with the same ones reads at least those blocks, so this one waits for it
+# A sequence's tokens up to the end of its lookup's first blocks (the device hit, then up
+# to LEAD_BLOCKS blocks): another sequence's lookup with the same key reads at least those
+# blocks, so this one waits for it
 _LeadKey = tuple[int, ...]
 LEAD_BLOCKS = 4
 
@@ -91,7 +91,7 @@ LEAD_BLOCKS = 4
 @dataclass(slots=True)
 class _Lookup:
     future: Future[_Found]  # done once the lookup thread answered (never an exception)
-    key: _LeadKey | None  # followers wait on it until this sequence is admitted
+    key: _LeadKey  # followers wait on it until this sequence is admitted
     # the device hit, in blocks, when the scheduler last asked: the first loaded block
     first_block: int = 0
 
@@ -187,12 +187,11 @@ class TierConnector:
         if lookup is None:
             if max_blocks <= num_device:
                 return 0, False  # nothing to look up now (no room): ask when there is
-            key = None if num_device else tuple(seq.token_ids[:min(max_blocks, LEAD_BLOCKS) * bs])
-            if key is not None:
-                if key in self._followers:
-                    self._follow(seq_id, key)
-                    return None, False
-                self._followers[key] = []
+            key = tuple(seq.token_ids[:min(max_blocks, num_device + LEAD_BLOCKS) * bs])
+            if key in self._followers:
+                self._follow(seq_id, key)
+                return None, False
+            self._followers[key] = []
             future = self._executor.submit(self._lookup, seq.token_ids[:max_blocks * bs],
                                            num_device, max_blocks)
             self._lookups[seq_id] = _Lookup(future, key)
@@ -211,7 +210,7 @@ class TierConnector:
     def update_state_after_alloc(self, seq: Sequence, blocks: list[int],
                                  num_external_tokens: int) -> None:
         lookup = self._lookups.pop(seq.seq_id, None)
-        if lookup is not None and lookup.key is not None:
+        if lookup is not None:
             # its followers ask again once this step has run: the device has the blocks
             self._release_followers(lookup.key)
             self._settling.add(lookup.key)
@@ -310,9 +309,8 @@ class TierConnector:
         lookup = self._lookups.pop(seq.seq_id, None)
         if lookup is not None:
             lookup.future.cancel()  # not started yet: never runs
-            if lookup.key is not None:  # its followers look up for themselves
-                self._release_followers(lookup.key)
-                del self._followers[lookup.key]
+            self._release_followers(lookup.key)  # they look up for themselves
+            del self._followers[lookup.key]
         key = self._following.pop(seq.seq_id, None)
         if key is not None:
             self._followers[key].remove(seq.seq_id)
