@@ -235,9 +235,9 @@ class TierConnector:
 
     def take_finished_lookups(self) -> list[int]:
         # NOTE: called at the start of a step: the last step has written the blocks of
-        # the sequences admitted in it, so their keys lead nobody any more
+        # the sequences admitted in it, so their keys lead nobody any more (their
+        # followers were released at the admission, or as they came: `_follow`)
         for key in self._settling:
-            self._release_followers(key)
             del self._followers[key]
         self._settling.clear()
         if not self._finished:
